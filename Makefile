@@ -1,0 +1,11 @@
+# The two commands of the README. Both set up .venv first (idempotent).
+.PHONY: run test bench setup
+run:
+	bash launch/setup_env.sh
+	.venv/bin/qurl quant-report
+test:
+	bash launch/setup_env.sh --with-test
+	.venv/bin/python -m pytest -q tests
+bench:
+	bash launch/setup_env.sh
+	.venv/bin/python benchmarks/quant_throughput.py

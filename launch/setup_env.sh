@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Create (or bring up to date) the project's CPU virtual environment in .venv and install qurl-mcore into it.
+# Idempotent: when the requirement files have not changed since the last successful run, it only checks and exits.
+# Usage: bash launch/setup_env.sh [--with-test]
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${QURL_VENV:-$ROOT/.venv}
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+
+want_test=0
+[[ "${1:-}" == "--with-test" ]] && want_test=1
+
+reqs=("$ROOT/requirements/cpu.txt" "$ROOT/setup.py")
+(( want_test )) && reqs+=("$ROOT/requirements/test.txt")
+stamp_value=$(cat "${reqs[@]}" | sha256sum | cut -d' ' -f1)
+stamp_file="$VENV/.qurl-stamp-$want_test"
+
+if [[ -x "$VENV/bin/python" && -f "$stamp_file" && "$(cat "$stamp_file")" == "$stamp_value" ]]; then
+  echo "[setup] $VENV is up to date"
+  exit 0
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  echo "[setup] creating $VENV with $($PY --version)"
+  "$PY" -m venv "$VENV"
+fi
+pip_args=(-q --disable-pip-version-check)
+# A local wheel directory (as on our CI machines) holds the CPU build of torch; otherwise use PyTorch's CPU index,
+# because PyPI's default torch wheel is the multi-GB CUDA build.
+if [[ -d /opt/wheels ]]; then
+  pip_args+=(--find-links /opt/wheels)
+else
+  pip_args+=(--extra-index-url https://download.pytorch.org/whl/cpu)
+fi
+pip_install() {
+  # Machine-wide pip configs may name local indexes that do not exist on every machine: drop that noise only.
+  "$VENV/bin/python" -m pip install "${pip_args[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+pip_install --upgrade pip setuptools wheel
+pip_install -r "$ROOT/requirements/cpu.txt"
+if (( want_test )); then pip_install -r "$ROOT/requirements/test.txt"; fi
+pip_install --no-deps -e "$ROOT"
+"$VENV/bin/python" - <<'PY'
+import torch
+assert not torch.version.cuda, f"the CPU environment got a CUDA build of torch ({torch.__version__})"
+for bad in ("transformer_engine", "apex"):
+    import importlib.util
+    assert importlib.util.find_spec(bad) is None, f"{bad} is installed in the CPU environment; uninstall it"
+print(f"[setup] torch {torch.__version__} (CPU)")
+PY
+echo "$stamp_value" > "$stamp_file"
+echo "[setup] done: $VENV"

@@ -1,0 +1,81 @@
+"""Quantized GEMM backends for Y = A · Bᵀ with A [M, K] (per-tensor or per-token scales) and B [N, K]
+(per-tensor or per-channel scales):
+
+  Y[m, n] = s_A[m] · s_B[n] · Σ_k q_A[m, k] · q_B[n, k]
+
+"emulated": dequantize both operands and multiply in fp32; runs for every format and granularity, and is
+            the reference that the CPU path of the trainer and the rollout engine share.
+"int8":     torch._int_mm (exact int32 accumulation), then the two scale vectors.
+"fp8":      torch._scaled_mm on E4M3 operands with row-wise scales.
+"auto" picks a kernel only for CUDA tensors whose format, granularity and shape the kernel supports.
+"""
+from __future__ import annotations
+
+import torch
+
+from .qtensor import QTensor
+
+BACKENDS = ("auto", "emulated", "int8", "fp8")
+_ROWWISE = ("tensor", "channel", "token")
+
+
+def _kernel_for(a: QTensor, b: QTensor) -> str | None:
+    """The kernel that can run a · bᵀ exactly as quantized, or None."""
+    if a.fmt != b.fmt or a.granularity not in _ROWWISE or b.granularity not in _ROWWISE:
+        return None
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
+        return None
+    if a.fmt == "int8":
+        return "int8"
+    if a.fmt == "fp8_e4m3":
+        return "fp8"
+    return None
+
+
+def _cuda_shape_ok(kernel: str, m: int, n: int, k: int) -> bool:
+    if kernel == "int8":  # cuBLASLt int8 constraints as enforced by torch._int_mm
+        return m > 16 and k % 8 == 0 and n % 8 == 0
+    return k % 16 == 0 and n % 16 == 0
+
+
+def select_backend(a: QTensor, b: QTensor) -> str:
+    """What "auto" runs for these operands: a kernel on CUDA when it applies, else "emulated"."""
+    kernel = _kernel_for(a, b)
+    if kernel is None or a.data.device.type != "cuda":
+        return "emulated"
+    m, k = a.shape
+    return kernel if _cuda_shape_ok(kernel, m, b.shape[0], k) else "emulated"
+
+
+def _row_scales(q: QTensor, rows: int) -> torch.Tensor:
+    """The operand's scale as a [rows, 1] fp32 column (a per-tensor scale is broadcast)."""
+    return q.scale_fp32().reshape(-1, 1).expand(rows, 1).contiguous()
+
+
+def _codes_2d(q: QTensor) -> torch.Tensor:
+    return q.codes().reshape(q.shape)
+
+
+def quantized_matmul(a: QTensor, b: QTensor, *, backend: str = "auto", out_dtype: torch.dtype = torch.float32):
+    """A · Bᵀ for quantized A [..., K] and B [N, K], in `out_dtype`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown GEMM backend {backend!r}; use one of {list(BACKENDS)}")
+    if backend == "auto":
+        backend = select_backend(a, b)
+    if backend == "emulated":
+        return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
+    kernel = _kernel_for(a, b)
+    if kernel != backend:
+        raise ValueError(
+            f"backend {backend!r} cannot run {a.fmt}/{a.granularity} x {b.fmt}/{b.granularity} operands; "
+            "it needs 2-D operands of one format (int8 or fp8_e4m3) with per-tensor/token/channel scales. "
+            "Use backend='emulated' or 'auto'"
+        )
+    (m, _), n = a.shape, b.shape[0]
+    scale_a, scale_b = _row_scales(a, m), _row_scales(b, n).t()
+    if kernel == "int8":
+        acc = torch._int_mm(_codes_2d(a), _codes_2d(b).t())
+        return (acc.to(torch.float32) * scale_a * scale_b).to(out_dtype)
+    return torch._scaled_mm(
+        _codes_2d(a), _codes_2d(b).t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
+    )

@@ -1,0 +1,162 @@
+"""The quantized linear layer shared by the trainer and the rollout engine (MoEResQ's symmetric RC).
+
+With RC(t) = Q(t) + Q(t - Q(t)) and Q̃ = RC or Q as the mode says:
+  forward   Y  = Q̃_fwd(X) · Q(W)ᵀ + b           (RC(X)·Q(W)ᵀ is run as two GEMMs: Q(X)Q(W)ᵀ + Q(ΔX)Q(W)ᵀ)
+  backward  dX = Q̃_bwd(dY) · Q(W)
+            dW = Q̃_bwd(dY)ᵀ · Q̃_bwd(X)
+            db = Σ_tokens dY
+Modes (the MoEResQ ablation): "bf16" (no quantization), "naive" (Q everywhere), "rc_inference" (RC in the
+forward only), "rc_training" (RC in the backward only), "rc_both" (RC in both: the symmetric recipe).
+Each operand is quantized along its last dim with its own granularity (W per channel/block, X and dY per
+token/block), the simulated-quantization convention of the papers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .fake import residual_quantize
+from .formats import get_format
+from .gemm import BACKENDS, quantized_matmul
+from .qtensor import GRANULARITIES, QTensor, quantize
+
+MODES = ("bf16", "naive", "rc_inference", "rc_training", "rc_both")
+
+
+@dataclass(frozen=True)
+class QuantLinearSpec:
+    """How one linear layer quantizes. Build it with `make_spec`, which fills format-appropriate defaults."""
+
+    mode: str = "bf16"
+    fmt: str | None = None
+    weight_granularity: str = "channel"
+    act_granularity: str = "token"
+    grad_granularity: str = "token"
+    weight_block: tuple[int, int] | None = None
+    act_block: tuple[int, int] | None = None
+    backend: str = "auto"
+
+    @property
+    def quantized(self) -> bool:
+        return self.mode != "bf16"
+
+    @property
+    def rc_forward(self) -> bool:
+        return self.mode in ("rc_inference", "rc_both")
+
+    @property
+    def rc_backward(self) -> bool:
+        return self.mode in ("rc_training", "rc_both")
+
+
+def make_spec(
+    mode: str,
+    fmt: str | None = None,
+    *,
+    weight_granularity: str | None = None,
+    act_granularity: str | None = None,
+    grad_granularity: str | None = None,
+    weight_block: tuple[int, int] | None = None,
+    act_block: tuple[int, int] | None = None,
+    backend: str = "auto",
+) -> QuantLinearSpec:
+    """A validated spec. Defaults: FP4 formats use their own blocks everywhere; INT8/FP8 use per-channel
+    weights and per-token activations and gradients (W8A8)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown quantized-linear mode {mode!r}; use one of {list(MODES)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown GEMM backend {backend!r}; use one of {list(BACKENDS)}")
+    if mode == "bf16":
+        if fmt is not None:
+            raise ValueError(f"mode 'bf16' quantizes nothing; drop fmt={fmt!r} or pick a quantized mode")
+        return QuantLinearSpec(backend=backend)
+    if fmt is None:
+        raise ValueError(f"mode {mode!r} needs a format: fmt= one of int8, fp8_e4m3, fp8_e5m2, nvfp4, mxfp4")
+    default = "block" if get_format(fmt).is_fp4 else None
+    grans = {
+        "weight_granularity": weight_granularity or default or "channel",
+        "act_granularity": act_granularity or default or "token",
+        "grad_granularity": grad_granularity or default or "token",
+    }
+    for name, value in grans.items():
+        if value not in GRANULARITIES:
+            raise ValueError(f"{name}={value!r} is not a granularity; use one of {list(GRANULARITIES)}")
+    return QuantLinearSpec(mode, fmt, weight_block=weight_block, act_block=act_block, backend=backend, **grans)
+
+
+def quantize_weight(weight: torch.Tensor, spec: QuantLinearSpec) -> QTensor:
+    """Q(W) as the layer uses it; the rollout engine calls this once per weight update."""
+    return quantize(weight, spec.fmt, spec.weight_granularity, block_shape=spec.weight_block)
+
+
+def _quantize_activation(x2: torch.Tensor, spec: QuantLinearSpec, granularity: str, residual: bool):
+    """[Q(x)] or [Q(x), Q(x - Q(x))]."""
+    if residual:
+        return list(residual_quantize(x2, spec.fmt, granularity, block_shape=spec.act_block))
+    return [quantize(x2, spec.fmt, granularity, block_shape=spec.act_block)]
+
+
+def _dequantized_sum(parts: list[QTensor]) -> torch.Tensor:
+    return sum(p.dequantize(torch.float32) for p in parts)
+
+
+def _forward(x2: torch.Tensor, wq: QTensor, spec: QuantLinearSpec, keep_residual: bool):
+    """Y = Q̃_fwd(X)·Q(W)ᵀ in fp32, plus the activation parts (with the residual if RC needs it anywhere)."""
+    parts = _quantize_activation(x2, spec, spec.act_granularity, spec.rc_forward or keep_residual)
+    gemm_parts = parts if spec.rc_forward else parts[:1]
+    y = sum(quantized_matmul(p, wq, backend=spec.backend) for p in gemm_parts)
+    return y, parts
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def quantized_linear(
+    x: torch.Tensor, weight_q: QTensor, bias: torch.Tensor | None, spec: QuantLinearSpec
+) -> torch.Tensor:
+    """Inference: Y = Q̃_fwd(X)·Q(W)ᵀ + b with an already quantized weight (no autograd)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y, _ = _forward(x2, weight_q, spec, keep_residual=False)
+    return _add_bias(y, bias).to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+class QuantLinearFunction(torch.autograd.Function):
+    """Training: the forward and backward of the module docstring; weights are re-quantized every call."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec: QuantLinearSpec):
+        ctx.spec, ctx.has_bias = spec, bias is not None
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        if not spec.quantized:
+            ctx.save_for_backward(x2, weight)
+            return torch.nn.functional.linear(x, weight, bias)
+        wq = quantize_weight(weight, spec)
+        y, parts = _forward(x2, wq, spec, keep_residual=spec.rc_backward)
+        x_for_dw = _dequantized_sum(parts if spec.rc_backward else parts[:1])
+        ctx.save_for_backward(x_for_dw, wq.dequantize(torch.float32))
+        return _add_bias(y, bias).to(x.dtype).reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        spec = ctx.spec
+        x_saved, w_saved = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if spec.quantized:
+            gparts = _quantize_activation(g2.to(torch.float32), spec, spec.grad_granularity, spec.rc_backward)
+            gq = _dequantized_sum(gparts)
+        else:
+            gq = g2
+        grad_x = (gq @ w_saved).to(ctx.x_dtype).reshape(*grad_out.shape[:-1], -1)
+        grad_w = (gq.t() @ x_saved).to(ctx.w_dtype)
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+def quant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, spec: QuantLinearSpec
+) -> torch.Tensor:
+    """Differentiable quantized linear: x [..., in], weight [out, in] -> [..., out]."""
+    return QuantLinearFunction.apply(x, weight, bias, spec)

@@ -1,0 +1,103 @@
+"""The quantized linear autograd function against its defining formulas, written out by hand with the public
+fake-quantization functions."""
+import pytest
+import torch
+
+from qurl_mcore.quant import (
+    fake_quantize, make_spec, quant_linear, quantize_weight, quantized_linear, residual_fake_quantize,
+)
+
+
+def test_gradcheck_float64_with_quantization_off():
+    x = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    spec = make_spec("bf16")
+    assert torch.autograd.gradcheck(lambda *a: quant_linear(*a, spec=spec), (x, w, b))
+
+
+def test_bf16_mode_is_plain_linear_bitwise():
+    x, w, b = torch.randn(5, 16), torch.randn(8, 16), torch.randn(8)
+    assert torch.equal(quant_linear(x, w, b, spec=make_spec("bf16")), torch.nn.functional.linear(x, w, b))
+
+
+def _reference(x, w, b, g, mode, fmt):
+    """Y, dX, dW, db from the formulas, using fake_quantize (Q) and residual_fake_quantize (RC)."""
+    gran = "block" if fmt in ("nvfp4", "mxfp4") else "token"
+    wgran = "block" if fmt in ("nvfp4", "mxfp4") else "channel"
+    q = lambda t: fake_quantize(t, fmt, gran)  # noqa: E731
+    rc = lambda t: residual_fake_quantize(t, fmt, gran)  # noqa: E731
+    fwd = rc if mode in ("rc_inference", "rc_both") else q
+    bwd = rc if mode in ("rc_training", "rc_both") else q
+    wq = fake_quantize(w, fmt, wgran)
+    y = fwd(x) @ wq.t() + b
+    gq = bwd(g)
+    return y, gq @ wq, gq.t() @ bwd(x), g.sum(0)
+
+
+@pytest.mark.parametrize("mode", ["naive", "rc_inference", "rc_training", "rc_both"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "nvfp4", "mxfp4"])
+def test_forward_and_backward_follow_the_formulas(mode, fmt):
+    x = torch.randn(24, 64, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    b = torch.randn(32, requires_grad=True)
+    g = torch.randn(24, 32)
+    y = quant_linear(x, w, b, spec=make_spec(mode, fmt, backend="emulated"))
+    y.backward(g)
+    ry, rdx, rdw, rdb = _reference(x.detach(), w.detach(), b.detach(), g, mode, fmt)
+    tol = dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y.detach(), ry, **tol)
+    torch.testing.assert_close(x.grad, rdx, **tol)
+    torch.testing.assert_close(w.grad, rdw, **tol)
+    torch.testing.assert_close(b.grad, rdb)
+
+
+def test_modes_differ_where_they_should():
+    x, w, g = torch.randn(16, 64), torch.randn(8, 64), torch.randn(16, 8)
+    outs = {}
+    for mode in ("naive", "rc_inference", "rc_training", "rc_both"):
+        xx = x.clone().requires_grad_()
+        y = quant_linear(xx, w, spec=make_spec(mode, "nvfp4"))
+        y.backward(g)
+        outs[mode] = (y.detach(), xx.grad)
+    assert torch.equal(outs["naive"][0], outs["rc_training"][0])  # same forward
+    assert torch.equal(outs["rc_inference"][0], outs["rc_both"][0])
+    assert not torch.equal(outs["naive"][0], outs["rc_both"][0])
+    assert torch.equal(outs["naive"][1], outs["rc_inference"][1])  # same backward
+    assert not torch.equal(outs["naive"][1], outs["rc_both"][1])
+
+
+def test_rc_forward_removes_most_of_the_activation_error():
+    """RC corrects the activation operand only; against X·Q(W)ᵀ its error is several times smaller."""
+    x, w = torch.randn(64, 256), torch.randn(128, 256)
+    x[:, ::17] *= 30
+    exact = x @ fake_quantize(w, "nvfp4", "block").t()
+    err = {m: (quant_linear(x, w, spec=make_spec(m, "nvfp4")) - exact).norm() for m in ("naive", "rc_both")}
+    assert err["rc_both"] < 0.25 * err["naive"]
+
+
+def test_inference_path_equals_training_forward():
+    """The rollout engine (quantized once, then `quantized_linear`) computes what the trainer's forward does."""
+    x, w, b = torch.randn(2, 9, 64, dtype=torch.bfloat16), torch.randn(48, 64), torch.randn(48)
+    for fmt, mode in (("int8", "naive"), ("fp8_e4m3", "naive"), ("nvfp4", "rc_both"), ("mxfp4", "rc_inference")):
+        spec = make_spec(mode, fmt)
+        inference = quantized_linear(x, quantize_weight(w, spec), b, spec)
+        assert inference.shape == (2, 9, 48) and inference.dtype == torch.bfloat16
+        assert torch.equal(inference, quant_linear(x, w, b, spec=spec))
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="unknown quantized-linear mode 'rc'"):
+        make_spec("rc", "nvfp4")
+    with pytest.raises(ValueError, match="needs a format"):
+        make_spec("naive")
+    with pytest.raises(ValueError, match="drop fmt"):
+        make_spec("bf16", "int8")
+    with pytest.raises(ValueError, match="not a granularity"):
+        make_spec("naive", "int8", act_granularity="row")
+    with pytest.raises(ValueError, match="unknown GEMM backend"):
+        make_spec("naive", "int8", backend="cutlass")
+    s = make_spec("rc_both", "mxfp4")
+    assert (s.weight_granularity, s.act_granularity, s.grad_granularity) == ("block",) * 3
+    s = make_spec("naive", "int8")
+    assert (s.weight_granularity, s.act_granularity) == ("channel", "token")

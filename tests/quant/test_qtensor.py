@@ -1,0 +1,99 @@
+"""QTensor storage, granularities, shapes and input validation."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qurl_mcore.quant import WEIGHT_BLOCK, fake_quantize, quantize, residual_fake_quantize
+
+FMTS = ["int8", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]
+
+
+@pytest.mark.parametrize("fmt,dtype", [("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn),
+                                       ("fp8_e5m2", torch.float8_e5m2), ("nvfp4", torch.uint8),
+                                       ("mxfp4", torch.uint8)])
+def test_storage_is_real_low_bit(fmt, dtype):
+    q = quantize(torch.randn(8, 128), fmt, "block")
+    assert q.data.dtype == dtype
+    bits = 4 if fmt in ("nvfp4", "mxfp4") else 8
+    assert q.data.numel() * q.data.element_size() * 8 == 8 * 128 * bits
+
+
+def test_granularity_scale_shapes():
+    w = torch.randn(256, 384)
+    assert quantize(w, "int8", "tensor").scale.numel() == 1
+    assert quantize(w, "int8", "channel").scale.shape == (256, 1)
+    assert quantize(w, "int8", "token").scale.shape == (256, 1)
+    assert quantize(w, "fp8_e4m3", "block").scale.shape == (256, 3, 1)  # 1x128 activation blocks
+    assert quantize(w, "fp8_e4m3", "block", block_shape=WEIGHT_BLOCK).scale.shape == (2, 3, 1)
+    assert quantize(w, "nvfp4", "block").scale.shape == (256, 24, 1)
+    assert quantize(w, "mxfp4", "block").scale.shape == (256, 12, 1)
+
+
+def test_weight_block_scale_is_tile_amax():
+    w = torch.randn(256, 256)
+    w[130, 7] = 99.0
+    q = quantize(w, "fp8_e4m3", "block", block_shape=(128, 128))
+    assert q.scale[1, 0, 0] == 99.0 / 448
+    assert q.scale[0, 0, 0] == w[:128, :128].abs().max() / 448
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 70), lead=st.integers(1, 3),
+       fmt=st.sampled_from(FMTS), gran=st.sampled_from(["tensor", "channel", "token", "block"]),
+       big_block=st.booleans())
+def test_any_shape_round_trips_to_its_shape(rows, cols, lead, fmt, gran, big_block):
+    x = torch.randn(lead, rows, cols)
+    block = (16, 32) if big_block and gran == "block" and fmt in ("int8", "fp8_e4m3", "fp8_e5m2") else None
+    q = quantize(x, fmt, gran, block_shape=block)
+    out = q.dequantize()
+    assert out.shape == x.shape and out.dtype == x.dtype
+    # idempotence: re-quantizing a dequantized tensor changes nothing for power-of-two-scaled formats
+    if fmt == "mxfp4":
+        assert torch.equal(quantize(out, fmt, gran).dequantize(), out)
+
+
+def test_exactly_representable_values_survive():
+    x = torch.arange(-127, 128, dtype=torch.float32).reshape(1, -1)
+    assert torch.equal(quantize(x, "int8", "token").dequantize(), x)
+    grid = torch.tensor([[0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 0] * 2])
+    assert torch.equal(quantize(grid, "mxfp4", "block").dequantize(), grid)
+
+
+def test_keeps_dtype_of_bf16_input():
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert quantize(x, "nvfp4", "block").dequantize().dtype == torch.bfloat16
+    assert fake_quantize(x, "int8", "token").dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_raises_clear_error(bad):
+    x = torch.randn(4, 16)
+    x[1, 2] = bad
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize(x, "int8", "token")
+
+
+def test_bad_arguments_name_the_fix():
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="unknown quantization format 'fp3'.*int8"):
+        quantize(x, "fp3", "token")
+    with pytest.raises(ValueError, match="unknown granularity 'row'"):
+        quantize(x, "int8", "row")
+    with pytest.raises(ValueError, match="fixed at"):
+        quantize(x, "nvfp4", "block", block_shape=(1, 32))
+    with pytest.raises(ValueError, match="only applies"):
+        quantize(x, "int8", "token", block_shape=(1, 16))
+    with pytest.raises(TypeError, match="floating-point"):
+        quantize(torch.ones(4, 4, dtype=torch.int32), "int8", "token")
+    with pytest.raises(ValueError, match="empty"):
+        quantize(torch.ones(0, 4), "int8", "token")
+
+
+@pytest.mark.parametrize("fn", [fake_quantize, residual_fake_quantize])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_straight_through_gradient_is_identity(fn, fmt):
+    x = torch.randn(6, 64, requires_grad=True)
+    g = torch.randn(6, 64)
+    fn(x, fmt, "block").backward(g)
+    assert torch.equal(x.grad, g)
