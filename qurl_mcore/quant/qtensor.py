@@ -62,8 +62,8 @@ class _Grouping:
 
 @dataclass
 class QTensor:
-    """A quantized tensor: `data` holds the codes in grouped layout [groups..., group_size] (INT8 as int8,
-    FP8 as torch.float8_*, FP4 packed two per uint8 along the last dim), `scale` one entry per group
+    """A quantized tensor: `data` holds the codes in the original layout (INT8 as int8, FP8 as torch.float8_*,
+    FP4 packed two per uint8 along the last dim), `scale` one entry per group in grouped layout
     ([groups..., 1]; fp32, or float8_e4m3fn for NVFP4 blocks, or uint8 biased exponents for MXFP4), and
     `global_scale` the NVFP4 per-tensor fp32 scale."""
 
@@ -83,17 +83,10 @@ class QTensor:
     def _grouping(self) -> _Grouping:
         return _Grouping(self.shape, self.granularity, self.block_shape)
 
-    def group_size(self) -> int:
-        if self.granularity == "tensor":
-            return self.shape.numel()
-        if self.granularity == "block":
-            return self.block_shape[0] * self.block_shape[1]
-        return self.shape[-1]
-
     def codes(self) -> torch.Tensor:
-        """The stored element codes in grouped layout, unpacked for FP4."""
+        """The stored element codes in the original shape, unpacked for FP4."""
         if self.spec.is_fp4:
-            return unpack_fp4(self.data, self.group_size())
+            return unpack_fp4(self.data, self.shape[-1] if len(self.shape) else 1).reshape(self.shape)
         return self.data
 
     def scale_fp32(self) -> torch.Tensor:
@@ -107,8 +100,9 @@ class QTensor:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """x' = decode(codes) * scale, back in the original shape and dtype (or `dtype`)."""
-        values = decode(self.codes(), self.spec) * self.scale_fp32()
-        return self._grouping().ungroup(values).to(dtype or self.dtype)
+        grouping = self._grouping()
+        values = grouping.group(decode(self.codes(), self.spec)) * self.scale_fp32()
+        return grouping.ungroup(values).to(dtype or self.dtype)
 
 
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
@@ -168,6 +162,6 @@ def quantize(
         scale_dec = scale
     # A block scale that underflowed to zero (a tiny NVFP4 block next to a huge one) encodes zeros.
     scaled = torch.where(scale_dec > 0, g / torch.where(scale_dec > 0, scale_dec, 1.0), 0.0)
-    codes = encode(scaled, spec)
-    data = pack_fp4(codes) if spec.is_fp4 else codes
+    codes = grouping.ungroup(encode(scaled, spec))  # storage drops the padding of partial blocks
+    data = pack_fp4(codes.reshape(-1) if codes.dim() == 0 else codes) if spec.is_fp4 else codes
     return QTensor(data, scale, fmt, granularity, x.shape, x.dtype, block, global_scale)
