@@ -1,0 +1,72 @@
+"""Quantization throughput, as ratios measured side by side in one run (lower is cheaper):
+
+  quantize+dequantize of a 4096x4096 fp32 tensor, per format and granularity  /  a plain tensor copy
+  RC linear forward+backward (per recipe mode)                               /  a plain fp32 linear
+
+Usage: python benchmarks/quant_throughput.py [--size 4096] [--tokens 1024] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from qurl_mcore.quant import FORMATS, make_spec, quant_linear, quantize
+
+CASES = [("int8", "token"), ("int8", "block"), ("fp8_e4m3", "token"), ("fp8_e4m3", "block"),
+         ("fp8_e5m2", "token"), ("nvfp4", "block"), ("mxfp4", "block")]
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    x = torch.randn(args.size, args.size)
+    base = median_seconds(lambda: x.clone(), args.repeats)
+    print(f"\nquantize+dequantize {args.size}x{args.size} (baseline: copy = {base * 1e3:.1f} ms)")
+    print(f"{'format':<10} {'granularity':<12} {'ms':>8} {'x copy':>8}")
+    for fmt, gran in CASES:
+        assert fmt in FORMATS
+        t = median_seconds(lambda: quantize(x, fmt, gran).dequantize(), args.repeats)
+        print(f"{fmt:<10} {gran:<12} {t * 1e3:>8.1f} {t / base:>7.1f}x")
+
+    a = torch.randn(args.tokens, args.hidden, requires_grad=True)
+    w = torch.randn(args.hidden, args.hidden, requires_grad=True)
+    g = torch.randn(args.tokens, args.hidden)
+
+    def fwd_bwd(spec=None):
+        y = torch.nn.functional.linear(a, w) if spec is None else quant_linear(a, w, spec=spec)
+        y.backward(g)
+
+    base = median_seconds(fwd_bwd, args.repeats)
+    print(f"\nlinear forward+backward [{args.tokens}x{args.hidden}] x [{args.hidden}x{args.hidden}] "
+          f"(baseline: plain fp32 linear = {base * 1e3:.1f} ms)")
+    print(f"{'mode':<14} {'format':<10} {'ms':>8} {'x plain':>8}")
+    for mode, fmt in [("bf16", None), ("naive", "int8"), ("naive", "fp8_e4m3"), ("naive", "nvfp4"),
+                      ("rc_inference", "nvfp4"), ("rc_training", "nvfp4"), ("rc_both", "nvfp4"),
+                      ("rc_both", "mxfp4")]:
+        spec = make_spec(mode, fmt)
+        t = median_seconds(lambda: fwd_bwd(spec), args.repeats)
+        print(f"{mode:<14} {fmt or '-':<10} {t * 1e3:>8.1f} {t / base:>7.1f}x")
+
+
+if __name__ == "__main__":
+    main()
