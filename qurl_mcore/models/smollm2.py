@@ -37,3 +37,43 @@ def load_tensor(name: str = EMBEDDING, rows: int | None = None) -> torch.Tensor:
     t = by_name[name]
     data = t.data if rows is None else t.data[:rows]  # rows are whole quantization blocks: slice before decoding
     return torch.from_numpy(gguf.quants.dequantize(data, t.tensor_type).copy())
+
+
+def hf_checkpoint(refresh: bool = False) -> Path:
+    """An HF-format BF16 checkpoint of SmolLM2-135M-Instruct (LlamaForCausalLM + tokenizer), converted once
+    from the GGUF by transformers and cached. The conversion writes to a temporary directory and renames it,
+    so an interrupted run never leaves a half-written checkpoint behind."""
+    import shutil
+    import tempfile
+
+    from . import cache_dir
+
+    out = cache_dir() / "smollm2-135m-instruct-bf16"
+    if (out / "model.safetensors").is_file() and not refresh:
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_path()
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".smollm2-"))
+    try:
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.bfloat16)
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are dequantized: the checkpoint is plain BF16
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        # transformers refuses save_pretrained on a model it loaded from GGUF, so write the tensors directly
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,58 @@
+"""Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE) with SmolLM2's real tokenizer, for tests that
+need a specific architecture but not trained weights. Deterministic for a seed; cached like the real model."""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import cache_dir
+
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _config(arch: str):
+    import transformers as tf
+
+    common = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6)
+    if arch == "llama":
+        return tf.LlamaConfig(**common)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common)
+    if arch == "qwen3":
+        return tf.Qwen3Config(head_dim=32, **common)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                 decoder_sparse_step=1, norm_topk_prob=True, **common)
+    raise ValueError(f"unknown tiny architecture {arch!r}; use one of {list(ARCHS)}")
+
+
+def tiny_checkpoint(arch: str, seed: int = 0) -> Path:
+    """A 2-layer, hidden-128 random model of `arch` saved in BF16 with SmolLM2's tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from .smollm2 import hf_checkpoint
+
+    config = _config(arch)
+    digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:8]  # a changed config is a new model
+    out = cache_dir() / f"tiny-{arch}-seed{seed}-{digest}"
+    if (out / "config.json").is_file():
+        return out
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tiny-{arch}-"))
+    try:
+        model.save_pretrained(tmp)
+        tok_src = hf_checkpoint()
+        for name in _TOKENIZER_FILES:
+            shutil.copy(tok_src / name, tmp / name)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
