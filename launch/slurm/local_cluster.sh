@@ -16,6 +16,10 @@ install_packages() {
 
 write_conf() {
   local host cpus mem
+  if [[ -f "$conf" ]] && ! grep -q '^ClusterName=qurl-local$' "$conf"; then
+    echo "local_cluster.sh: $conf belongs to another Slurm cluster; not touching it" >&2
+    exit 1
+  fi
   host=$(hostname -s)
   cpus=$(nproc)
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))

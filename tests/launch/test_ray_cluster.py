@@ -1,0 +1,62 @@
+"""launch/ray_cluster.sh against a real Ray head on this machine."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "ray_cluster.sh"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    # the script uses `ray` and `python` from PATH: the test's own environment
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+
+def test_head_wait_and_clean_shutdown(tmp_path):
+    port, dash = _free_port(), _free_port()
+    head = subprocess.Popen(
+        ["bash", str(SCRIPT), "head", "--port", str(port), "--dashboard-port", str(dash), "--num-cpus", "1",
+         "--object-store-bytes", str(200 * 2**20), "--node-ip", "127.0.0.1", "--resources", '{"qurl_train": 1}'],
+        env=_env(), stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        ready = subprocess.run(["bash", str(SCRIPT), "wait", "--address", f"127.0.0.1:{port}", "--nodes", "1",
+                                "--timeout", "120"], env=_env(), capture_output=True, text=True, timeout=180)
+        assert ready.returncode == 0, ready.stderr + (tmp_path / "head.log").read_text()
+        assert "1/1 nodes up" in ready.stdout and "'qurl_train': 1.0" in ready.stdout
+        # asking for more nodes than exist times out with an explanation
+        short = subprocess.run(["bash", str(SCRIPT), "wait", "--address", f"127.0.0.1:{port}", "--nodes", "2",
+                                "--timeout", "3"], env=_env(), capture_output=True, text=True, timeout=120)
+        assert short.returncode != 0 and "only 1/2 nodes joined" in short.stderr
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)  # what Slurm does when the step ends
+        head.wait(timeout=60)
+    assert head.returncode == 0
+    # the head stopped Ray: nothing listens on its port any more
+    time.sleep(1)
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_usage_errors_name_the_missing_option():
+    out = subprocess.run(["bash", str(SCRIPT), "worker"], env=_env(), capture_output=True, text=True)
+    assert out.returncode != 0 and "worker needs --address" in out.stderr
+    out = subprocess.run(["bash", str(SCRIPT), "head", "--bogus"], env=_env(), capture_output=True, text=True)
+    assert out.returncode != 0 and "unknown option --bogus" in out.stderr
+
+
+@pytest.mark.parametrize("cmd", ["wait", "submit"])
+def test_wait_and_submit_need_an_address(cmd):
+    out = subprocess.run(["bash", str(SCRIPT), cmd], env=_env(), capture_output=True, text=True)
+    assert out.returncode != 0 and "--address" in out.stderr
