@@ -1,0 +1,1 @@
+"""Megatron-Core integration: CPU compatibility, quantized linears through ModuleSpec, HF weights, UAQ, log-probs."""

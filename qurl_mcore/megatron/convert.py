@@ -1,0 +1,288 @@
+"""HF <-> Megatron weights for Llama (SmolLM2), Qwen2, Qwen3 and Qwen3-MoE, driven by one name table.
+
+Each `Rule` pairs a Megatron parameter with the HF tensors it is made of and a *layout* that says how the HF
+tensors merge into Megatron's full tensor and how that tensor is sharded over tensor parallelism:
+
+  replicated  one HF tensor, every rank holds all of it          (norms, router)
+  rows        one HF tensor, split along dim 0                    (embedding, output layer: vocab parallel)
+  columns     one HF tensor, split along dim 1                    (linear_proj, linear_fc2)
+  qkv         q, k, v interleaved per query group:                (linear_qkv weight and bias)
+              [q_g (heads/groups·d rows), k_g (d), v_g (d)] for g = 0..groups-1, then split along dim 0,
+              so each TP rank holds whole groups
+  gate_up     [gate; up], each half split along dim 0, so rank r holds [gate_r; up_r]   (linear_fc1, SwiGLU)
+
+Expert rules are sharded over the expert-tensor-parallel group instead, and live on the expert-parallel rank
+that owns them: Megatron's local expert j on EP rank r is HF expert r·(experts/EP) + j.
+
+`load_hf_weights` fills a Megatron model from an HF checkpoint (every tensor used, every parameter set);
+`export_hf_weights` gathers the shards and yields HF-named tensors in buckets of bounded size, the format
+SGLang's weight update takes, optionally UAQ-scaled on the way out.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from qurl_mcore.uaq import uaq_scale_hf
+
+from .models import load_hf_config
+
+LAYOUTS = ("replicated", "rows", "columns", "qkv", "gate_up")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Megatron parameter template <- HF templates, with `{layer}` and (experts) `{expert}` placeholders."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    layout: str
+    needs: str = ""  # the feature (see `features`) this rule exists under; "" = always
+
+
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+_E = _L + "mlp.experts.local_experts.{expert}."
+_HE = _H + "mlp.experts.{expert}."
+NAME_TABLE: tuple[Rule, ...] = (
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "rows"),
+    Rule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "replicated"),
+    Rule(_L + "self_attention.linear_qkv.weight",
+         tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+    Rule(_L + "self_attention.linear_qkv.bias",
+         tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", needs="qkv_bias"),
+    Rule(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",), "replicated", needs="qk_norm"),
+    Rule(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), "replicated", needs="qk_norm"),
+    Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "columns"),
+    Rule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated"),
+    Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up",
+         needs="dense"),
+    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "columns", needs="dense"),
+    Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), "replicated", needs="moe"),
+    Rule(_E + "linear_fc1.weight", (_HE + "gate_proj.weight", _HE + "up_proj.weight"), "gate_up", needs="moe"),
+    Rule(_E + "linear_fc2.weight", (_HE + "down_proj.weight",), "columns", needs="moe"),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+    Rule("output_layer.weight", ("lm_head.weight",), "rows", needs="untied"),
+)
+
+
+def features(hf_config) -> set[str]:
+    """The table features an HF config has: qkv_bias, qk_norm, dense or moe, untied."""
+    hf = load_hf_config(hf_config)
+    out = {"moe" if hf.model_type == "qwen3_moe" else "dense"}
+    if hf.model_type == "qwen2" or getattr(hf, "attention_bias", False):
+        out.add("qkv_bias")
+    if hf.model_type in ("qwen3", "qwen3_moe"):
+        out.add("qk_norm")
+    if not hf.tie_word_embeddings:
+        out.add("untied")
+    return out
+
+
+def name_table(hf_config) -> tuple[Rule, ...]:
+    """The rules that apply to this architecture."""
+    have = features(hf_config)
+    return tuple(r for r in NAME_TABLE if not r.needs or r.needs in have)
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{layer\}", r"(?P<layer>\d+)")
+                      .replace(r"\{expert\}", r"(?P<expert>\d+)") + "$")
+
+
+# ---- layouts: merge/split between HF tensors and Megatron's full tensor; shard/unshard over TP ----------
+
+def _qkv_shape(hf_config) -> tuple[int, int, int]:
+    hf = load_hf_config(hf_config)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return hf.num_key_value_heads, hf.num_attention_heads // hf.num_key_value_heads, head_dim
+
+
+def merge(layout: str, tensors: list[torch.Tensor], hf_config) -> torch.Tensor:
+    """Megatron's full (TP=1) tensor from the HF tensors of a rule."""
+    if layout == "qkv":
+        groups, q_per_group, d = _qkv_shape(hf_config)
+        q, k, v = (t.reshape(groups, -1, d, *t.shape[1:]) for t in tensors)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *tensors[0].shape[1:])
+    if layout == "gate_up":
+        return torch.cat(tensors, dim=0)
+    (tensor,) = tensors
+    return tensor
+
+
+def split(layout: str, full: torch.Tensor, hf_config) -> list[torch.Tensor]:
+    """The HF tensors of a rule from Megatron's full tensor (inverse of `merge`)."""
+    if layout == "qkv":
+        groups, q_per_group, d = _qkv_shape(hf_config)
+        g = full.reshape(groups, q_per_group + 2, d, *full.shape[1:])
+        q, k, v = g[:, :q_per_group], g[:, q_per_group], g[:, q_per_group + 1]
+        return [t.reshape(-1, *full.shape[1:]).contiguous() for t in (q, k, v)]
+    if layout == "gate_up":
+        return [t.contiguous() for t in full.chunk(2, dim=0)]
+    return [full]
+
+
+def shard(layout: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s slice of `full` among `size` tensor-parallel ranks."""
+    if layout == "replicated" or size == 1:
+        return full
+    if layout == "gate_up":
+        return torch.cat([half.chunk(size, dim=0)[rank] for half in full.chunk(2, dim=0)], dim=0)
+    return full.chunk(size, dim=1 if layout == "columns" else 0)[rank]
+
+
+def unshard(layout: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from every rank's slice (inverse of `shard`)."""
+    if layout == "replicated" or len(shards) == 1:
+        return shards[0]
+    if layout == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=1 if layout == "columns" else 0)
+
+
+# ---- parallel context ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Placement:
+    tp_group: object
+    etp_group: object
+    ep_group: object
+    ep_rank: int
+    local_experts: int
+
+
+def _placement(model) -> _Placement:
+    from megatron.core import parallel_state as ps
+
+    config = model.config
+    ep = ps.get_expert_model_parallel_world_size()
+    return _Placement(ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
+                      ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_rank(),
+                      (config.num_moe_experts or 0) // ep)
+
+
+def _is_expert(rule: Rule) -> bool:
+    return "{expert}" in rule.megatron
+
+
+def _fill(template: str, layer: int | None, expert: int | None) -> str:
+    return template.format(layer=layer, expert=expert)
+
+
+# ---- HF -> Megatron --------------------------------------------------------------------------------
+
+def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory (its *.safetensors files)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_hf_weights(model, hf_dir: str | Path, state: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Copy an HF checkpoint (directory `hf_dir`, tensors from `state` if given) into this rank's shards of
+    `model`, cast to the parameters' dtype. Raises if a parameter has no source or an HF tensor is unused
+    (a tied checkpoint may carry a redundant lm_head.weight)."""
+    hf = load_hf_config(hf_dir)
+    state = read_hf_state(hf_dir) if state is None else state
+    where = _placement(model)
+    rules = [(r, _pattern(r.megatron)) for r in name_table(hf)]
+    used: set[str] = set()
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        match = next(((r, m) for r, p in rules if (m := p.match(name))), None)
+        if match is None:
+            raise KeyError(f"Megatron parameter {name} has no entry in the name table")
+        rule, m = match
+        layer = int(m["layer"]) if "layer" in m.groupdict() else None
+        expert = None
+        group = where.tp_group
+        if _is_expert(rule):
+            expert = where.ep_rank * where.local_experts + int(m["expert"])
+            group = where.etp_group
+        names = [_fill(t, layer, expert) for t in rule.hf]
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise KeyError(f"{name} needs {missing}, absent from the HF checkpoint")
+        full = merge(rule.layout, [state[n] for n in names], hf)
+        local = shard(rule.layout, full, group.rank(), group.size())
+        if local.shape != param.shape:
+            raise ValueError(f"{name}: HF gives {tuple(local.shape)}, the model has {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(local.to(param.dtype))
+        used.update(names)
+    unused = set(state) - used - ({"lm_head.weight"} if hf.tie_word_embeddings else set())
+    if where.ep_group.size() == 1 and unused:  # with EP > 1 other ranks use the remaining experts
+        raise KeyError(f"HF tensors not loaded: {sorted(unused)[:8]}")
+
+
+# ---- Megatron -> HF --------------------------------------------------------------------------------
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    if group.size() == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(group.size())]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
+def _iter_hf_tensors(model, hf) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every rule instance; collective: every rank must iterate in step."""
+    where = _placement(model)
+    params = dict(model.named_parameters())
+    config = model.config
+    for rule in name_table(hf):
+        layers = range(config.num_layers) if "{layer}" in rule.megatron else [None]
+        experts = range(where.local_experts) if _is_expert(rule) else [None]
+        for layer in layers:
+            for local in experts:
+                param = params[_fill(rule.megatron, layer, local)].detach()
+                if local is None:
+                    full = unshard(rule.layout, _all_gather(param, where.tp_group))
+                    yield from zip((_fill(t, layer, None) for t in rule.hf), split(rule.layout, full, hf))
+                    continue
+                full = unshard(rule.layout, _all_gather(param, where.etp_group))
+                for ep_rank, owned in enumerate(_all_gather(full, where.ep_group)):
+                    expert = ep_rank * where.local_experts + local
+                    yield from zip((_fill(t, layer, expert) for t in rule.hf), split(rule.layout, owned, hf))
+
+
+def export_hf_weights(
+    model,
+    hf_config,
+    *,
+    bucket_bytes: int = 512 * 2**20,
+    dtype: torch.dtype | None = None,
+    uaq_scale: float | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Megatron weights as HF-named full tensors, in buckets of at most `bucket_bytes` (a single larger
+    tensor travels alone). Every rank of the model must iterate it (it gathers shards); every rank gets
+    the same buckets. `dtype` casts (e.g. torch.bfloat16 for SGLang); `uaq_scale` applies UAQ with that s
+    to the exported tensors (for a model not UAQ-scaled in place)."""
+    hf = load_hf_config(hf_config)
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in _iter_hf_tensors(model, hf):
+        if uaq_scale is not None:
+            tensor = uaq_scale_hf(name, tensor, uaq_scale)
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

@@ -1,0 +1,139 @@
+"""Run megatron-core 0.16.1 on a machine without CUDA (CI, laptops): six small runtime fixes.
+
+Megatron-Core assumes a GPU in a handful of places even when every tensor lives on the CPU. Each fix below
+replaces one such assumption with its CPU meaning; none changes any numerics. They are applied only when
+`torch.cuda.is_available()` is False, once per process, before or after megatron is imported (every fix
+patches the attribute that megatron reads at call time). With CUDA present `apply_cpu_compat()` does nothing.
+
+Not covered (not needed by this project on CPU): megatron's DDP wrapper, its optimizers and schedules, which
+allocate buffers with a literal device="cuda"; the distributed optimizer. Train with plain torch optimizers.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+_APPLIED: list[str] = []
+
+
+def _current_device() -> None:
+    """torch.cuda.current_device() -> cpu. Megatron passes `device=torch.cuda.current_device()` in ~40
+    places (rotary embedding, router, experts, TP mappings, buffers); CPU torch raises there."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def _rng_tracker() -> None:
+    """The "CUDA" RNG of megatron's RNG tracker is the CPU generator. The tracker is needed even without
+    dropout (DotProductAttention always forks it), and it seeds and saves CUDA generator states."""
+    import megatron.core.tensor_parallel.random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.manual_seed = torch.manual_seed
+    # fork() warns whenever the CPU generator advanced inside a "GPU" RNG context: now it always does.
+    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+
+
+def _te_general_gemm() -> None:
+    """moe_utils.te_general_gemm = None. megatron-core 0.16.x defines that name only when Transformer Engine
+    imports, yet the router's gating linear reads it unconditionally (NameError without TE)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+class _NoopEvent:
+    def synchronize(self) -> None: ...
+
+    def wait(self, *args, **kwargs) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoopStream:
+    def wait_stream(self, *args, **kwargs) -> None: ...
+
+    def wait_event(self, *args, **kwargs) -> None: ...
+
+    def record_event(self, *args, **kwargs) -> _NoopEvent:
+        return _NoopEvent()
+
+    def synchronize(self) -> None: ...
+
+
+def _streams() -> None:
+    """No-op CUDA streams for the alltoall token dispatcher, which copies split sizes to the host on a side
+    stream and synchronizes on its events; on CPU there is nothing to overlap. The dispatcher's shared side
+    stream is preset (torch.cuda.Stream itself stays a class: other libraries use it in annotations)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    stream = _NoopStream()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    torch.cuda.current_stream = lambda *args, **kwargs: stream
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+def _split_sizes_as_numpy() -> None:
+    """maybe_move_tensor_to_cpu(t, as_numpy=True) also converts CPU tensors. The alltoall dispatcher (EP > 1)
+    relies on it to turn split sizes into numpy for all_to_all_single, but it converts only CUDA tensors;
+    a CPU tensor as split sizes makes torch.distributed raise TypeError."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _causal_masks() -> None:
+    """Default causal and sliding-window masks built on the CPU. With attention_mask=None the torch softmax
+    path builds them with device="cuda"."""
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.utils as transformer_utils
+
+    @functools.lru_cache(maxsize=32)
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    def get_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+        upper = torch.triu(torch.ones(sq, skv, dtype=torch.bool), diagonal=skv - sq - window_size[0])
+        return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
+
+    for module in (transformer_utils, fused_softmax):
+        module.get_default_causal_mask = get_default_causal_mask
+        module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+
+
+#: (name, fix) in the order they are applied; docs/megatron.md describes each.
+FIXES = (
+    ("current_device", _current_device),
+    ("rng_tracker", _rng_tracker),
+    ("te_general_gemm", _te_general_gemm),
+    ("streams", _streams),
+    ("split_sizes_as_numpy", _split_sizes_as_numpy),
+    ("causal_masks", _causal_masks),
+)
+
+
+def apply_cpu_compat() -> tuple[str, ...]:
+    """Apply every fix once if CUDA is absent; return the names of the fixes active in this process."""
+    if torch.cuda.is_available():
+        return ()
+    if not _APPLIED:
+        for name, fix in FIXES:
+            fix()
+            _APPLIED.append(name)
+    return tuple(_APPLIED)

@@ -1,0 +1,117 @@
+"""Megatron GPTModels for HF Llama (SmolLM2), Qwen2, Qwen3 and Qwen3-MoE configs.
+
+The mapping of architectural features (all four: RMSNorm, SwiGLU, RoPE, GQA, no linear biases):
+  qwen2      q/k/v biases               -> add_qkv_bias
+  qwen3(*)   RMSNorm on q and k per head -> qk_layernorm
+  qwen3_moe  softmax router, top-k, renormalised (norm_topk_prob) -> top-k of the logits, then softmax over
+             them (moe_router_pre_softmax=False): exp(l_i)/Σ_topk exp(l_j) = p_i/Σ_topk p_j, HF's formula
+  tied word embeddings (SmolLM2)         -> share_embeddings_and_output_weights
+Parallel sizes are read from Megatron's initialised groups; sequence parallelism defaults to on when TP > 1
+(Megatron requires it for MoE with TP > 1).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+def load_hf_config(hf: Any):
+    """An HF config from a config object or a checkpoint directory; its model_type must be supported."""
+    if isinstance(hf, (str, Path)):
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(hf)
+    if hf.model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type {hf.model_type!r} is not supported; use one of {list(ARCHITECTURES)}")
+    return hf
+
+
+def rope_theta(hf_config) -> float:
+    """RoPE base θ (transformers 5 keeps it in rope_parameters); scaled RoPE variants are refused."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default":
+        raise NotImplementedError(f"RoPE type {params['rope_type']!r} is not supported (only the default)")
+    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def gpt_config(hf_config, **overrides: Any):
+    """The Megatron TransformerConfig of an HF config (fp32 parameters, no dropout, no fusions: the settings
+    under which Megatron and HF logits agree to fp32 rounding). `overrides` replace any field."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    hf = load_hf_config(hf_config)
+    tp = ps.get_tensor_model_parallel_world_size()
+    moe = hf.model_type == "qwen3_moe"
+    if moe and (getattr(hf, "mlp_only_layers", None) or hf.decoder_sparse_step != 1):
+        raise NotImplementedError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step > 1)")
+    kw: dict[str, Any] = dict(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_key_value_heads,
+        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        qk_layernorm=hf.model_type in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        sequence_parallel=tp > 1,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+    )
+    if moe:
+        kw.update(
+            num_moe_experts=hf.num_experts,
+            moe_router_topk=hf.num_experts_per_tok,
+            moe_ffn_hidden_size=hf.moe_intermediate_size,
+            moe_router_pre_softmax=not hf.norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+        )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def build_gpt(
+    hf_config, *, recipe: str = "bf16", scope: str = "experts", fmt: str | None = None, **overrides: Any
+):
+    """A randomly initialised GPTModel shaped like `hf_config` (object or checkpoint dir), its linears
+    following `recipe`/`scope`/`fmt` (see `gpt_spec`). Load weights with `convert.load_hf_weights`."""
+    from megatron.core.models.gpt import GPTModel
+
+    from .spec import gpt_spec
+
+    hf = load_hf_config(hf_config)
+    config = gpt_config(hf, **overrides)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_spec(config, recipe=recipe, scope=scope, fmt=fmt),
+        vocab_size=hf.vocab_size,
+        max_sequence_length=hf.max_position_embeddings,
+        share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf),
+    )

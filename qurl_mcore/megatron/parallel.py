@@ -1,0 +1,120 @@
+"""Process groups for Megatron-Core: one call to start them (gloo on CPU, NCCL on GPU), one to stop them, and
+`spawn` to run a function on N local ranks and collect what each returns (tests, benchmarks, one-node runs)."""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .cpu_compat import apply_cpu_compat
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(
+    tensor_parallel: int = 1,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
+    *,
+    seed: int = 1234,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> None:
+    """Start torch.distributed (if needed) and Megatron's model-parallel groups, and seed Megatron's RNGs.
+
+    Rank and world size come from the arguments or the usual RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+    environment; a lone process without them gets world size 1 on a free local port. Pipeline parallelism is
+    1. `expert_tensor_parallel` defaults to 1 when experts are sharded (EP > 1), else to `tensor_parallel`.
+    """
+    apply_cpu_compat()
+    from megatron.core import parallel_state, tensor_parallel as mtp
+
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            if world_size != 1:
+                raise RuntimeError("MASTER_PORT is not set; every rank needs the same rendezvous port")
+            os.environ["MASTER_PORT"] = str(free_port())
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    if expert_tensor_parallel is None:
+        expert_tensor_parallel = 1 if expert_parallel > 1 else tensor_parallel
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,
+    )
+    mtp.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and the default process group."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        # plain pickle copies tensors by value: torch's queue would share their memory with a dying process
+        queue.put((rank, True, pickle.dumps(fn(rank, *args))))
+    except BaseException:  # report any failure to the parent instead of hanging it
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
+    """Run `fn(rank, *args)` on `world_size` fresh local processes and return their results in rank order.
+
+    `fn` must be importable (a module-level function) and its results picklable; it typically calls
+    `init_parallel(...)` first. A failure in any rank raises RuntimeError carrying that rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size and not errors:
+        if not queue.empty():
+            rank, ok, value = queue.get()
+            if ok:
+                results[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+        elif any(p.exitcode not in (None, 0) for p in procs):  # died without reporting (a crash, a kill)
+            errors.append(f"ranks exited with codes {[p.exitcode for p in procs]}")
+        elif time.monotonic() > deadline:
+            errors.append(f"no result from every rank within {timeout:.0f} s")
+        else:
+            time.sleep(0.02)
+    for p in procs:  # after a failure the other ranks may block in a collective forever
+        p.join(timeout=5 if errors else None)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,86 @@
+"""Update-Aware Quantization (QuRL §4.3), framework-free: the rescaling table and the update-capture metric.
+
+UAQ folds a factor s into the parameters in front of a linear map and divides the map's weight by s:
+W·X = (W/s)·(s·X). Quantization noise of W/s is s times smaller, while the gradient of W/s, ∇Y·(sX)ᵀ, is s
+times larger, so an SGD update is s² larger relative to the quantization step (with Adam, whose step does
+not scale with the gradient, it is s). The foldings used, all exact in real arithmetic:
+
+  input_layernorm γ·s  and  q, k, v rows of linear_qkv / s   (RMSNorm(x)·γ is linear in γ)
+  v rows (and v bias) · s  and  linear_proj / s               (attention output is linear in V)
+  pre_mlp_layernorm γ·s and  gate, up rows of fc1 / s, router / s
+  up rows · s           and  fc2 / s                          (silu(gate)·up is linear in up)
+
+Net exponent of s per tensor (`UAQ_EXPONENTS`): the v and up rows come back to their original values; the q/k
+biases and the gate keep theirs, so RoPE, q/k norms and the SiLU see unchanged inputs. The router's input
+grows by s, so it is divided by s: it stays in high precision, the division only keeps routing unchanged.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+
+from qurl_mcore.quant import quantize
+
+#: role -> k such that UAQ multiplies the tensor by s**k
+UAQ_EXPONENTS: dict[str, int] = {
+    "attn_norm": 1, "q": -1, "k": -1, "v": 0, "q_bias": 0, "k_bias": 0, "v_bias": 1, "o": -1,
+    "mlp_norm": 1, "gate": -1, "up": 0, "down": -1, "router": -1,
+}
+
+#: HF (Llama/Qwen2/Qwen3/Qwen3-MoE) parameter name suffix -> UAQ role; other parameters are unchanged
+HF_ROLES: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), r) for p, r in (
+    (r"\.input_layernorm\.weight$", "attn_norm"),
+    (r"\.self_attn\.q_proj\.weight$", "q"),
+    (r"\.self_attn\.k_proj\.weight$", "k"),
+    (r"\.self_attn\.v_proj\.weight$", "v"),
+    (r"\.self_attn\.q_proj\.bias$", "q_bias"),
+    (r"\.self_attn\.k_proj\.bias$", "k_bias"),
+    (r"\.self_attn\.v_proj\.bias$", "v_bias"),
+    (r"\.self_attn\.o_proj\.weight$", "o"),
+    (r"\.post_attention_layernorm\.weight$", "mlp_norm"),
+    (r"\.mlp\.(experts\.\d+\.)?gate_proj\.weight$", "gate"),
+    (r"\.mlp\.(experts\.\d+\.)?up_proj\.weight$", "up"),
+    (r"\.mlp\.(experts\.\d+\.)?down_proj\.weight$", "down"),
+    (r"\.mlp\.gate\.weight$", "router"),
+))
+
+
+def hf_role(name: str) -> str | None:
+    """The UAQ role of an HF parameter name, or None if UAQ leaves it alone."""
+    return next((role for pattern, role in HF_ROLES if pattern.search(name)), None)
+
+
+def uaq_scale_hf(name: str, tensor: torch.Tensor, s: float) -> torch.Tensor:
+    """`tensor` (HF parameter `name`) as UAQ with factor s makes it: tensor·s**k for its role, computed in fp32."""
+    role = hf_role(name)
+    k = UAQ_EXPONENTS[role] if role else 0
+    return tensor if k == 0 else (tensor.float() * s**k).to(tensor.dtype)
+
+
+def update_capture_ratio(
+    before: torch.Tensor | Mapping[str, torch.Tensor],
+    after: torch.Tensor | Mapping[str, torch.Tensor],
+    fmt: str,
+    granularity: str = "channel",
+) -> float:
+    """Share of weight entries whose quantized value changed: Σ [Q(after) ≠ Q(before)] / Σ entries, over one
+    tensor or over every tensor of two same-keyed mappings. Q is `qurl_mcore.quant.quantize` with `fmt`
+    and `granularity` (per-channel by default, QuRL's weight quantization); a changed scale counts too."""
+    if isinstance(before, torch.Tensor):
+        before, after = {"": before}, {"": after}
+    if before.keys() != after.keys():
+        raise ValueError(f"the two weight sets differ in names: {sorted(set(before) ^ set(after))[:5]}")
+    changed = total = 0
+    for name, b in before.items():
+        a = after[name]
+        if a.shape != b.shape:
+            raise ValueError(f"{name}: shape {tuple(b.shape)} before, {tuple(a.shape)} after")
+        qb = quantize(b.detach().float(), fmt, granularity).dequantize(torch.float32)
+        qa = quantize(a.detach().float(), fmt, granularity).dequantize(torch.float32)
+        changed += int((qa != qb).sum())
+        total += b.numel()
+    if total == 0:
+        raise ValueError("no weight entries to compare")
+    return changed / total
