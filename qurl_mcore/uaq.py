@@ -59,15 +59,22 @@ def uaq_scale_hf(name: str, tensor: torch.Tensor, s: float) -> torch.Tensor:
     return tensor if k == 0 else (tensor.float() * s**k).to(tensor.dtype)
 
 
+def _codes(w: torch.Tensor, fmt: str, granularity: str) -> torch.Tensor:
+    codes = quantize(w.detach().float(), fmt, granularity).codes()
+    return codes.view(torch.uint8) if codes.dtype.is_floating_point else codes  # compare FP8 codes bitwise
+
+
 def update_capture_ratio(
     before: torch.Tensor | Mapping[str, torch.Tensor],
     after: torch.Tensor | Mapping[str, torch.Tensor],
     fmt: str,
     granularity: str = "channel",
 ) -> float:
-    """Share of weight entries whose quantized value changed: Σ [Q(after) ≠ Q(before)] / Σ entries, over one
-    tensor or over every tensor of two same-keyed mappings. Q is `qurl_mcore.quant.quantize` with `fmt`
-    and `granularity` (per-channel by default, QuRL's weight quantization); a changed scale counts too."""
+    """Share of weight entries whose quantization code changed, Σ [code(after) ≠ code(before)] / Σ entries,
+    over one tensor or over every tensor of two same-keyed mappings. Codes are those of
+    `qurl_mcore.quant.quantize(w, fmt, granularity)` (per-channel by default, QuRL's weight quantization).
+    Codes, not dequantized values: the row maximum moves in almost every step, which rescales the whole row
+    without the row's other updates being captured."""
     if isinstance(before, torch.Tensor):
         before, after = {"": before}, {"": after}
     if before.keys() != after.keys():
@@ -77,9 +84,7 @@ def update_capture_ratio(
         a = after[name]
         if a.shape != b.shape:
             raise ValueError(f"{name}: shape {tuple(b.shape)} before, {tuple(a.shape)} after")
-        qb = quantize(b.detach().float(), fmt, granularity).dequantize(torch.float32)
-        qa = quantize(a.detach().float(), fmt, granularity).dequantize(torch.float32)
-        changed += int((qa != qb).sum())
+        changed += int((_codes(a, fmt, granularity) != _codes(b, fmt, granularity)).sum())
         total += b.numel()
     if total == 0:
         raise ValueError("no weight entries to compare")

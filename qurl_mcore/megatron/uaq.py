@@ -1,0 +1,105 @@
+"""UAQ (QuRL §4.3) on a Megatron GPTModel, in place and shard-local, and the update-capture measurement.
+
+The rescaling and its exactness argument are in `qurl_mcore.uaq`; this module applies `UAQ_EXPONENTS` to
+Megatron's layouts: in linear_qkv the rows of each local query group are [q heads, k, v], in linear_fc1
+(SwiGLU) the local rows are [gate; up]. Every factor multiplies whole rows or whole tensors, so each TP/EP
+rank scales its own shards with no communication.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+
+from qurl_mcore.uaq import UAQ_EXPONENTS, update_capture_ratio
+
+#: the weights a quantized rollout engine quantizes (attention projections, MLP / expert linears)
+QUANTIZED_WEIGHT = re.compile(r"\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$")
+
+
+def _scale_qkv(t: torch.Tensor, config, s: float, roles: tuple[str, str, str]) -> None:
+    q_per_group = config.num_attention_heads // config.num_query_groups
+    groups = t.view(-1, q_per_group + 2, config.kv_channels, *t.shape[1:])
+    groups[:, :q_per_group].mul_(s ** UAQ_EXPONENTS[roles[0]])
+    groups[:, q_per_group].mul_(s ** UAQ_EXPONENTS[roles[1]])
+    groups[:, q_per_group + 1].mul_(s ** UAQ_EXPONENTS[roles[2]])
+
+
+def _scale_gate_up(t: torch.Tensor, config, s: float) -> None:
+    gate, up = t.chunk(2, dim=0)
+    gate.mul_(s ** UAQ_EXPONENTS["gate"])
+    up.mul_(s ** UAQ_EXPONENTS["up"])
+
+
+def _whole(role: str) -> Callable:
+    return lambda t, config, s: t.mul_(s ** UAQ_EXPONENTS[role])
+
+
+_ACTIONS: tuple[tuple[re.Pattern, Callable], ...] = tuple((re.compile(p), f) for p, f in (
+    (r"\.input_layernorm\.(weight|bias)$", _whole("attn_norm")),
+    (r"\.linear_qkv\.weight$", lambda t, c, s: _scale_qkv(t, c, s, ("q", "k", "v"))),
+    (r"\.linear_qkv\.bias$", lambda t, c, s: _scale_qkv(t, c, s, ("q_bias", "k_bias", "v_bias"))),
+    (r"\.linear_proj\.weight$", _whole("o")),
+    (r"\.pre_mlp_layernorm\.(weight|bias)$", _whole("mlp_norm")),
+    (r"\.linear_fc1\.weight$", _scale_gate_up),
+    (r"\.linear_fc2\.weight$", _whole("down")),
+    (r"\.router\.weight$", _whole("router")),
+))
+
+
+def apply_uaq(model: torch.nn.Module, s: float = 1.5) -> list[str]:
+    """Rescale `model` in place so that it computes the same function with every quantized linear's weight
+    divided by s where exact (see `qurl_mcore.uaq`); returns the names of the parameters changed.
+    Needs SwiGLU MLPs and no bias on linear_proj/fc1/fc2 (Llama, Qwen2, Qwen3, Qwen3-MoE)."""
+    config = model.config
+    if not config.gated_linear_unit or config.add_bias_linear:
+        raise NotImplementedError("UAQ here needs a gated MLP (SwiGLU) and add_bias_linear=False")
+    if s <= 0:
+        raise ValueError(f"the UAQ factor must be positive, got {s}")
+    changed = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            action = next((f for p, f in _ACTIONS if p.search(name)), None)
+            if action is not None:
+                action(param.data, config, s)
+                changed.append(name)
+    return changed
+
+
+def quantized_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of the weights a quantized rollout engine quantizes (this rank's shards)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if QUANTIZED_WEIGHT.search(n)}
+
+
+def update_capture(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module], torch.Tensor],
+    *,
+    scales: Iterable[float] = (1.0, 1.5, 2.0),
+    fmts: Iterable[str] = ("int8", "fp8_e4m3"),
+    granularity: str = "channel",
+    make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+) -> dict[float, dict[str, float]]:
+    """{s: {fmt: update capture ratio}}: for each s, start from `model`'s current weights, apply UAQ(s)
+    (s = 1 is no UAQ), take one optimizer step on `loss_fn(model)` (default Adam, lr 1e-5), and measure the
+    share of quantized-weight entries whose quantized value changed. `model` is restored afterwards."""
+    make_optimizer = make_optimizer or (lambda params: torch.optim.Adam(params, lr=1e-5))
+    original = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    fmts = tuple(fmts)
+    result: dict[float, dict[str, float]] = {}
+    try:
+        for s in scales:
+            model.load_state_dict(original, strict=False)
+            apply_uaq(model, s)
+            before = quantized_weights(model)
+            optimizer = make_optimizer(model.parameters())
+            optimizer.zero_grad()
+            loss_fn(model).backward()
+            optimizer.step()
+            after = quantized_weights(model)
+            result[s] = {fmt: update_capture_ratio(before, after, fmt, granularity) for fmt in fmts}
+    finally:
+        model.load_state_dict(original, strict=False)
+        model.zero_grad(set_to_none=True)
+    return result
