@@ -66,3 +66,45 @@ def test_entry_point_failure_fails_the_job(slurm, tmp_path):
     _, job_id = submit(_job(tmp_path, "qurl-fail", "python -c 'import sys; sys.exit(3)'"))
     fields = _wait_for(job_id)
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "3:0"
+
+
+# A stand-in for the trainer's side of the contract the job script relies on: checkpoint on SIGTERM, resume from
+# the checkpoint directory on start. What is under test is the job script's signal and requeue handling.
+TRAINER = """
+import os, pathlib, signal, sys, time
+ckpt, total = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+state = ckpt / "step"
+step = int(state.read_text()) if state.exists() else 0
+print(f"TRAINER start {step} restart {os.environ.get('SLURM_RESTART_COUNT', '0')}", flush=True)
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+while step < total and not stop:
+    time.sleep(1)
+    step += 1
+    print(f"TRAINER step {step}", flush=True)
+(ckpt / "step.tmp").write_text(str(step))
+(ckpt / "step.tmp").rename(state)
+print(f"TRAINER saved {step}", flush=True)
+"""
+
+
+def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm, tmp_path):
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    job = _job(tmp_path, "qurl-requeue", f"python {trainer} {tmp_path / 'ckpt'} 12")
+    _, job_id = submit(job)
+    log = tmp_path / "logs" / f"qurl-requeue-{job_id}.out"
+    deadline = time.monotonic() + 180
+    while not (log.exists() and "TRAINER step 3" in log.read_text()):
+        assert time.monotonic() < deadline, "the trainer never started"
+        time.sleep(1)
+    # what Slurm sends --signal's grace period before the time limit
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+    fields = _wait_for(job_id, timeout=420)  # Slurm holds a requeued job back for about two minutes
+    text = log.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", text
+    saved = int(re.search(r"TRAINER saved (\d+)", text).group(1))
+    assert 3 <= saved < 12
+    assert text.index(f"TRAINER saved {saved}") < text.index("requeueing job")  # checkpoint before requeue
+    assert f"TRAINER start {saved} restart 1" in text  # resumed where it stopped
+    assert "TRAINER saved 12" in text
