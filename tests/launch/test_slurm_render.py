@@ -52,7 +52,7 @@ def test_colocated_directives_and_command_lines(config):
     assert sb["signal"] == "B:USR1@180"
     # head on the first node, workers on the rest, all through srun sharing the allocation
     assert 'head_node=${hosts[0]}' in script
-    assert "srun --overlap --nodes=1 --ntasks=1 --cpus-per-task=16 -w \"$node\"" in script
+    assert 'srun --overlap --nodes=1 --ntasks=1 --cpus-per-task=16 -w "$node" --job-name="$name"' in script
     assert re.search(r'ray_node "\$head_node" head --port 6379 --dashboard-port 8265 --num-cpus 16 \\\n'
                      r'\s+--num-gpus 8', script)
     assert re.search(r'for \(\( i = 1; i < \$\{#hosts\[@\]\}; i\+\+ \)\); do\n\s+ray_node "\$\{hosts\[\$i\]\}" '
@@ -63,7 +63,7 @@ def test_colocated_directives_and_command_lines(config):
     for line in ("export NCCL_IB_DISABLE=0", "export CUDA_DEVICE_MAX_CONNECTIONS=1", "export NCCL_IB_HCA=mlx5"):
         assert line in script
     # training entry point with the checkpoint directory it resumes from
-    assert (f'step "$head_node" qurl train --config {config} '
+    assert (f'step "$head_node" qurl-train qurl train --config {config} '
             "checkpoint.dir=/opt/qurl/runs/qurl/checkpoints &") in script
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
 
