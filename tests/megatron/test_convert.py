@@ -1,0 +1,111 @@
+import pytest
+import torch
+
+from qurl_mcore.megatron.convert import (
+    export_hf_weights, features, load_hf_weights, merge, name_table, read_hf_state, shard, split, unshard,
+)
+from qurl_mcore.megatron.models import build_gpt
+from qurl_mcore.models.smollm2 import hf_checkpoint
+from qurl_mcore.models.tiny import tiny_checkpoint
+
+from .helpers import hf_logits, random_ids
+
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
+
+
+def _checkpoint(name):
+    return hf_checkpoint() if name == "smollm2" else tiny_checkpoint(name)
+
+
+def _megatron_logits(model, ids):
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+
+
+@pytest.mark.parametrize("arch", ARCHS + ["smollm2"])
+def test_hf_to_megatron_to_hf_round_trip_is_exact(arch, megatron_ws1):
+    path = _checkpoint(arch)
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    original = read_hf_state(path)
+    exported = dict(kv for bucket in export_hf_weights(model, path, dtype=torch.bfloat16) for kv in bucket)
+    if features(path).isdisjoint({"untied"}):
+        original.pop("lm_head.weight", None)
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
+@pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe", "qwen2", "llama"])
+def test_megatron_logits_equal_hf_transformers(arch, megatron_ws1):
+    path = _checkpoint(arch)
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    ids = random_ids(2, 24)
+    ours, ref = _megatron_logits(model, ids), hf_logits(path, ids)
+    diff = (ours - ref).abs().max().item()
+    print(f"{arch}: max |logits - HF| = {diff:.3g} (max |logit| {ref.abs().max().item():.3g})")
+    assert diff <= 2e-5 * ref.abs().max().item(), diff  # fp32 rounding over the model's depth
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_export_buckets_are_bounded_and_uaq_scaled_on_request(megatron_ws1):
+    from qurl_mcore.uaq import uaq_scale_hf
+
+    path = tiny_checkpoint("qwen3_moe")
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    limit = 200_000
+    buckets = list(export_hf_weights(model, path, bucket_bytes=limit))
+    assert len(buckets) > 2
+    for bucket in buckets:
+        sizes = [t.numel() * t.element_size() for _, t in bucket]
+        assert sum(sizes) <= limit or len(bucket) == 1
+    plain = dict(kv for b in buckets for kv in b)
+    scaled = dict(kv for b in export_hf_weights(model, path, uaq_scale=2.0) for kv in b)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(scaled[q], plain[q] / 2)
+    assert torch.equal(scaled["model.layers.1.input_layernorm.weight"], plain["model.layers.1.input_layernorm.weight"] * 2)
+    assert torch.equal(scaled["model.layers.0.mlp.experts.3.up_proj.weight"], plain["model.layers.0.mlp.experts.3.up_proj.weight"])
+    assert all(torch.equal(scaled[k], uaq_scale_hf(k, plain[k], 2.0)) for k in plain)
+
+
+def test_name_table_follows_the_architecture():
+    def megatron_names(arch):
+        return {r.megatron.rsplit(".", 2)[-2] for r in name_table(tiny_checkpoint(arch))}
+
+    assert features(hf_checkpoint()) == {"dense"}  # SmolLM2: tied embeddings, no biases, no q/k norm
+    assert "output_layer" not in {r.megatron.split(".")[0] for r in name_table(hf_checkpoint())}
+    assert features(tiny_checkpoint("qwen2")) == {"dense", "qkv_bias", "untied"}
+    assert {"q_layernorm", "router"} <= megatron_names("qwen3_moe")
+    assert "router" not in megatron_names("qwen3")
+
+
+def test_layouts_invert_and_shard_whole_query_groups():
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(hidden_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=2)
+    cfg.model_type = "qwen3"
+    q, k, v = torch.arange(8.).view(8, 1), 100 + torch.arange(4.).view(4, 1), 200 + torch.arange(4.).view(4, 1)
+    full = merge("qkv", [q, k, v], cfg)
+    # group 0 = [q heads 0-1, k head 0, v head 0], group 1 = [q heads 2-3, k head 1, v head 1]
+    assert full.flatten().tolist() == [0, 1, 2, 3, 100, 101, 200, 201, 4, 5, 6, 7, 102, 103, 202, 203]
+    assert all(torch.equal(a, b) for a, b in zip(split("qkv", full, cfg), [q, k, v]))
+    assert shard("qkv", full, 1, 2).flatten().tolist() == [4, 5, 6, 7, 102, 103, 202, 203]
+    gate_up = torch.arange(8.).view(8, 1)  # gate = 0..3, up = 4..7
+    shards = [shard("gate_up", gate_up, r, 2) for r in range(2)]
+    assert shards[1].flatten().tolist() == [2, 3, 6, 7]
+    for layout, t in (("gate_up", gate_up), ("columns", torch.randn(3, 4)), ("rows", torch.randn(4, 3))):
+        assert torch.equal(unshard(layout, [shard(layout, t, r, 2) for r in range(2)]), t)
+
+
+def test_loading_refuses_a_checkpoint_that_does_not_fit(megatron_ws1):
+    path = tiny_checkpoint("qwen3")
+    model = build_gpt(path)
+    state = read_hf_state(path)
+    del state["model.layers.1.self_attn.k_norm.weight"]
+    with pytest.raises(KeyError, match="k_norm"):
+        load_hf_weights(model, path, state)
+    state = read_hf_state(path)
+    state["model.layers.0.mlp.extra.weight"] = torch.zeros(1)
+    with pytest.raises(KeyError, match="not loaded"):
+        load_hf_weights(model, path, state)

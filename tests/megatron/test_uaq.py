@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from qurl_mcore.megatron.convert import load_hf_weights, read_hf_state
+from qurl_mcore.megatron.logprobs import token_logprobs
+from qurl_mcore.megatron.models import build_gpt
+from qurl_mcore.megatron.uaq import apply_uaq, quantized_weights, update_capture
+from qurl_mcore.models.smollm2 import hf_checkpoint
+from qurl_mcore.models.tiny import tiny_checkpoint
+from qurl_mcore.uaq import UAQ_EXPONENTS, hf_role, uaq_scale_hf, update_capture_ratio
+
+from .helpers import random_ids
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2", "llama"])
+@pytest.mark.parametrize("s", [1.5, 2.0])
+def test_uaq_preserves_the_function(arch, s, megatron_ws1):
+    path = tiny_checkpoint(arch)
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    ids = random_ids(2, 16)
+    before = _logits(model, ids)
+    weights = quantized_weights(model)
+    changed = apply_uaq(model, s)
+    after = _logits(model, ids)
+    assert ((after - before).norm() / before.norm()).item() < 1e-5
+    # and it did rescale: q rows of layer 0's linear_qkv (the first 2 of each 4-row-block group) by 1/s
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    new = dict(model.named_parameters())[qkv].detach().view(2, 4, 32, -1)
+    old = weights[qkv].view(2, 4, 32, -1)
+    assert torch.allclose(new[:, :2], old[:, :2] / s) and torch.equal(new[:, 3], old[:, 3])  # v net unchanged
+    assert any("router" in n for n in changed) == (arch == "qwen3_moe")
+    assert any("linear_qkv.bias" in n for n in changed) == (arch == "qwen2")
+
+
+def test_hf_uaq_table_preserves_the_hf_model():
+    """The same exponents applied to HF names leave transformers' own forward unchanged (SmolLM2, tied)."""
+    from transformers import AutoModelForCausalLM
+
+    path = hf_checkpoint()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = random_ids(1, 16)
+    with torch.no_grad():
+        before = model(ids).logits
+        state = {k: uaq_scale_hf(k, v, 1.5) for k, v in model.state_dict().items()}
+        model.load_state_dict(state)
+        after = model(ids).logits
+    assert ((after - before).norm() / before.norm()).item() < 1e-5
+    assert hf_role("model.layers.3.mlp.experts.7.up_proj.weight") == "up"
+    assert hf_role("model.layers.3.mlp.gate.weight") == "router"
+    assert hf_role("model.embed_tokens.weight") is None
+    assert set(UAQ_EXPONENTS.values()) <= {-1, 0, 1}
+
+
+def test_update_capture_ratio_counts_code_changes():
+    w = torch.tensor([[1.0, 0.3, -0.25, 0.0]])  # int8 per channel: step 1/127, 0.3 -> code 38.1 -> 38
+    assert update_capture_ratio(w, w.clone(), "int8") == 0.0
+    nudged = w + torch.tensor([[0.0, 0.001, 0.0, 0.0]])  # an eighth of a step: not captured
+    assert update_capture_ratio(w, nudged, "int8") == 0.0
+    moved = w + torch.tensor([[0.0, 0.006, 0.0, 0.006]])  # > half a step on two entries
+    assert update_capture_ratio(w, moved, "int8") == 0.5
+    rescaled = w * 1.001  # the row maximum moves: scale changes, no code does
+    assert update_capture_ratio(w, rescaled, "int8") == 0.0
+    assert update_capture_ratio({"a": w, "b": w}, {"a": moved, "b": w}, "int8") == 0.25
+    with pytest.raises(ValueError, match="differ in names"):
+        update_capture_ratio({"a": w}, {"b": w}, "int8")
+
+
+def test_uaq_raises_the_update_capture_ratio_after_an_adam_step(megatron_ws1):
+    path = tiny_checkpoint("qwen3_moe")
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    ids = random_ids(4, 32, seed=1)
+    reference = read_hf_state(path)["model.layers.0.self_attn.q_proj.weight"].float()
+
+    ratios = update_capture(model, lambda m: -token_logprobs(m, ids, grad=True).logprobs.sum(),
+                            scales=(1.0, 1.5, 2.0), fmts=("int8", "fp8_e4m3"))
+    for fmt in ("int8", "fp8_e4m3"):
+        base = ratios[1.0][fmt]
+        factors = {s: ratios[s][fmt] / base for s in (1.5, 2.0)}
+        print(f"{fmt}: capture {base:.4f}, UAQ factor s=1.5: {factors[1.5]:.2f}, s=2: {factors[2.0]:.2f}")
+        assert 0 < base < 0.5
+        assert 1.1 < factors[1.5] < factors[2.0] < 2.0  # between 1 (v, up rows unscaled) and s
+    # the model is left as it was
+    q = dict(model.named_parameters())["decoder.layers.0.self_attention.linear_qkv.weight"].detach()
+    assert torch.equal(q.view(2, 4, 32, -1)[:, :2].reshape(-1, 128), reference)
