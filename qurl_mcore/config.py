@@ -1,0 +1,221 @@
+"""The training job's configuration: one YAML file plus `key=value` overrides, checked field by field.
+
+Every bad field is reported at once, each with its dotted name, what was given and what is allowed, so a user
+fixes a config in one round.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+
+@dataclass
+class ModelConfig:
+    path: str = "smollm2"  # an HF checkpoint directory, or "smollm2" for the packaged SmolLM2-135M-Instruct
+
+
+@dataclass
+class DataConfig:
+    task: Literal["addition", "file"] = "addition"
+    path: str = ""  # .jsonl or .parquet, for task "file"
+    prompt_key: str = "question"
+    answer_key: str = "answer"
+    reward: Literal["math", "first_number"] = "first_number"
+    prompts_per_step: int = 8
+    num_prompts: int = 512  # size of the generated set for task "addition"
+
+
+@dataclass
+class RolloutConfig:
+    precision: Literal["bf16", "int8", "fp8", "fp4", "fp4_rc"] = "int8"
+    fp4_format: Literal["nvfp4", "mxfp4"] = "nvfp4"
+    scope: Literal["experts", "all"] = "all"
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    engines: int = 1
+    tp_size: int = 1
+
+
+@dataclass
+class TrainConfig:
+    recipe: Literal["bf16", "fp8", "fp4", "fp4_rc", "rc_inference", "rc_training"] = "bf16"
+    tp_size: int = 1
+    ep_size: int = 1
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 8
+    loss: Literal["ppo", "naive", "decoupled", "tis", "mis", "acr", "acr_symmetric"] = "acr"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    tis_cap: float = 2.0
+    agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    scale_by_std: bool = True
+    dynamic_sampling: bool = False
+
+
+@dataclass
+class UAQConfig:
+    enabled: bool = True
+    scale: float = 1.5
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "runs/demo/checkpoints"
+    every: int = 10
+    keep: int = 2
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs/demo/logs"
+    wandb_project: str = ""  # empty: no Weights & Biases
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    uaq: UAQConfig = field(default_factory=UAQConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    steps: int = 30
+    seed: int = 0
+    layout: Literal["colocated", "disaggregated"] = "colocated"
+
+
+class ConfigError(ValueError):
+    """Raised with every problem found, one per line."""
+
+
+_POSITIVE = {"data.prompts_per_step", "data.num_prompts", "rollout.samples_per_prompt", "rollout.max_new_tokens",
+             "rollout.engines", "rollout.tp_size", "train.tp_size", "train.ep_size", "train.micro_batch_size",
+             "checkpoint.every", "checkpoint.keep", "steps", "train.lr", "uaq.scale"}
+
+
+def _check_value(name: str, value, hint, errors: list[str]):
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            errors.append(f"{name}: {value!r} is not one of {list(choices)}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            errors.append(f"{name}: expected true or false, got {value!r}")
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 3e-6 (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, hint) or isinstance(value, bool) and hint is not bool:
+        errors.append(f"{name}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    if name in _POSITIVE and value <= 0:
+        errors.append(f"{name}: must be positive, got {value!r}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str, errors: list[str]):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            errors.append(f"{prefix}{key}: unknown field" + (f" (did you mean {prefix}{close[0]}?)" if close else
+                                                             f"; known: {sorted(known)}"))
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        hint, value, name = hints[f.name], data[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                errors.append(f"{name}: expected a mapping of {hint.__name__} fields, got {value!r}")
+                continue
+            kwargs[f.name] = _build(hint, value, f"{name}.", errors)
+        else:
+            kwargs[f.name] = _check_value(name, value, hint, errors)
+    return cls(**kwargs)
+
+
+def _apply_override(data: dict, item: str, errors: list[str]) -> None:
+    import yaml
+
+    if "=" not in item:
+        errors.append(f"override {item!r}: expected key=value, e.g. train.lr=1e-6")
+        return
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            errors.append(f"override {item!r}: {part} is not a section")
+            return
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _semantic_checks(cfg: Config, errors: list[str]) -> None:
+    if cfg.data.task == "file" and not cfg.data.path:
+        errors.append("data.path: task 'file' needs the path of a .jsonl or .parquet prompt file")
+    if cfg.data.task == "file" and cfg.data.path and not Path(cfg.data.path).is_file():
+        errors.append(f"data.path: {cfg.data.path} does not exist")
+    if cfg.train.advantage in ("grpo", "rloo") and cfg.rollout.samples_per_prompt < 2:
+        errors.append(f"rollout.samples_per_prompt: {cfg.train.advantage} compares samples of one prompt; "
+                      "use at least 2")
+    if not 0 <= cfg.train.eps_low < 1:
+        errors.append(f"train.eps_low: must be in [0, 1), got {cfg.train.eps_low}")
+    if cfg.rollout.temperature < 0 or not 0 < cfg.rollout.top_p <= 1:
+        errors.append("rollout.temperature must be >= 0 and rollout.top_p in (0, 1]")
+    if cfg.train.tis_cap < 1:
+        errors.append(f"train.tis_cap: must be >= 1, got {cfg.train.tis_cap}")
+    if cfg.uaq.enabled and cfg.rollout.precision not in ("int8", "fp8"):
+        errors.append(f"uaq.enabled: UAQ targets INT8/FP8 rollout, not {cfg.rollout.precision!r}; "
+                      "set uaq.enabled=false")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file (if any), then the overrides; raises ConfigError listing every bad field."""
+    import yaml
+
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    errors: list[str] = []
+    for item in overrides:
+        _apply_override(data, item, errors)
+    cfg = _build(Config, data, "", errors)
+    if not errors:
+        _semantic_checks(cfg, errors)
+    if errors:
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"{len(errors)} problem(s){where}:\n  " + "\n  ".join(errors))
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    """The full resolved config, for logs and checkpoints."""
+    return dataclasses.asdict(cfg)
