@@ -1,0 +1,1 @@
+"""The QuRL training loop: SGLang rollout with a quantized actor, Megatron training, weights back each step."""
