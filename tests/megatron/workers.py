@@ -1,0 +1,99 @@
+"""Per-rank bodies of the world-size-2 tests (module-level so that `spawn` can import them in the children).
+Each returns plain tensors and flags; the test process compares them with its own world-size-1 and HF
+references."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from qurl_mcore.megatron.convert import export_hf_weights, load_hf_weights, read_hf_state
+from qurl_mcore.megatron.logprobs import token_logprobs
+from qurl_mcore.megatron.models import build_gpt, gpt_config
+from qurl_mcore.megatron.parallel import init_parallel
+from qurl_mcore.megatron.uaq import apply_uaq
+
+
+def _gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(t) for _ in range(group.size())]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """[b, s, V]: the vocab-parallel logits gathered over TP."""
+    with torch.no_grad():
+        return _gather(model(ids, torch.arange(ids.shape[1]).expand_as(ids), None), -1)
+
+
+def round_trip_mismatches(model, path) -> list[str]:
+    original = read_hf_state(path)
+    exported = dict(kv for b in export_hf_weights(model, path, dtype=torch.bfloat16, bucket_bytes=1 << 20) for kv in b)
+    return sorted(set(original) ^ set(exported)) + [k for k in original if k in exported
+                                                   and not torch.equal(original[k], exported[k])]
+
+
+def quantized_step(path, ids, recipe: str, scope: str, fmt: str) -> dict:
+    """Log-probs of a quantized model and its gradients (gathered over TP) after backward of their sum."""
+    model = build_gpt(path, recipe=recipe, scope=scope, fmt=fmt)
+    load_hf_weights(model, path)
+    out = token_logprobs(model, ids, grad=True)
+    out.logprobs.sum().backward()
+    params = dict(model.named_parameters())
+    return {
+        "logprobs": out.logprobs.detach(),
+        "grad_qkv": _gather(params["decoder.layers.0.self_attention.linear_qkv.weight"].grad, 0),
+        "grad_proj": _gather(params["decoder.layers.1.self_attention.linear_proj.weight"].grad, 1),
+    }
+
+
+def dense_tp2(rank: int, path, ids: torch.Tensor) -> dict:
+    """Tiny Qwen3, TP=2 with sequence parallelism."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from qurl_mcore.megatron.spec import gpt_spec
+
+    init_parallel(tensor_parallel=2)
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    result = {"logits": full_logits(model, ids), "logprobs": token_logprobs(model, ids).logprobs,
+              "round_trip": round_trip_mismatches(model, path)}
+    apply_uaq(model, 1.5)
+    result["uaq_logits"] = full_logits(model, ids)
+    result["quant"] = quantized_step(path, ids, "fp4_rc", "all", "mxfp4")
+
+    # recipe bf16 = the stock local spec, at TP=2 (without SP, which the stock torch norm refuses)
+    config = gpt_config(path, sequence_parallel=False)
+    kw = dict(config=config, vocab_size=49152, max_sequence_length=64, position_embedding_type="rope")
+    outs = []
+    for spec in (get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), gpt_spec(config, "bf16")):
+        torch.manual_seed(3)
+        tensor_parallel.model_parallel_cuda_manual_seed(3)
+        outs.append(full_logits(GPTModel(transformer_layer_spec=spec, **kw), ids))
+    result["bf16_equals_stock"] = torch.equal(outs[0], outs[1])
+    return result
+
+
+def moe_tp2_ep2(rank: int, path, ids: torch.Tensor) -> dict:
+    """Tiny Qwen3-MoE, TP=2 with sequence parallelism and EP=2 (each rank holds 2 of the 4 experts)."""
+    init_parallel(tensor_parallel=2, expert_parallel=2)
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    out = token_logprobs(model, ids, return_routed_experts=True)
+    result = {"logits": full_logits(model, ids), "logprobs": out.logprobs, "routes": out.routed_experts,
+              "round_trip": round_trip_mismatches(model, path),
+              "local_experts": len(model.decoder.layers[0].mlp.experts.local_experts)}
+    apply_uaq(model, 2.0)
+    result["uaq_logits"] = full_logits(model, ids)
+    result["quant"] = quantized_step(path, ids, "fp4_rc", "experts", "nvfp4")
+    return result
+
+
+def fail_on_rank_1(rank: int) -> int:
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    return rank
