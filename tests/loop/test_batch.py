@@ -1,0 +1,26 @@
+import pytest
+import torch
+
+from qurl_mcore.loop.batch import Sample, collate
+
+
+def test_collate_places_responses_and_logprobs_at_their_positions():
+    s1 = Sample([1, 2, 3], [7, 8], [-0.5, -1.5], reward=1.0)
+    s2 = Sample([4], [9, 10, 11], [-0.1, -0.2, -0.3])
+    batch = collate([s1, s2], torch.tensor([0.5, -0.5]), pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 7, 8], [4, 9, 10, 11, 0]]
+    assert batch.attention_mask.tolist() == [[True] * 5, [True] * 4 + [False]]
+    assert batch.response_mask.tolist() == [[False, False, False, True, True], [False, True, True, True, False]]
+    assert batch.behav_logprobs.tolist() == [[0, 0, 0, -0.5, -1.5], pytest.approx([0, -0.1, -0.2, -0.3, 0])]
+    assert batch.advantages.tolist() == [0.5, -0.5]
+    parts = batch.micro_batches(1)
+    assert len(parts) == 2 and parts[1].input_ids.tolist() == [[4, 9, 10, 11, 0]]
+
+
+def test_collate_rejects_inconsistent_samples():
+    with pytest.raises(ValueError, match="2 response tokens but 1 behaviour log-probs"):
+        collate([Sample([1], [2, 3], [-1.0])], torch.tensor([0.0]), pad_id=0)
+    with pytest.raises(ValueError, match="one advantage per sample"):
+        collate([Sample([1], [2], [-1.0])], torch.tensor([0.0, 1.0]), pad_id=0)
+    with pytest.raises(ValueError, match="no samples"):
+        collate([], torch.tensor([]), pad_id=0)
