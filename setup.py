@@ -9,5 +9,9 @@ setup(
     # Runtime pins live in requirements/{cpu,gpu}.txt: the CPU and GPU environments take different torch builds.
     install_requires=["torch>=2.6", "numpy"],
     extras_require={"test": ["pytest>=8.0", "hypothesis>=6.100", "scipy>=1.11"]},
-    entry_points={"console_scripts": ["qurl=qurl_mcore.cli:main"]},
+    entry_points={
+        "console_scripts": ["qurl=qurl_mcore.cli:main"],
+        # SGLang loads these in every one of its processes: the qurl_* quantization methods.
+        "sglang.srt.plugins": ["qurl=qurl_mcore.sglang:register"],
+    },
 )

@@ -1,0 +1,30 @@
+"""SGLang quantization plugin: `qurl_int8`, `qurl_fp8`, `qurl_fp4`, `qurl_fp4_rc` (see options.py).
+
+Registered through the entry point group `sglang.srt.plugins` (setup.py), which SGLang loads in every one of
+its processes. Checkpoints load as BF16 and are quantized by `qurl_mcore.quant` after loading and after every
+weight update, so the rollout engine runs the trainer's numerics; docs/rollout.md has the user guide.
+"""
+from __future__ import annotations
+
+from .options import METHODS, QurlOptions
+
+__all__ = ["METHODS", "QurlOptions", "register"]
+
+
+def register() -> None:
+    """Add the qurl methods to SGLang's registries and its `--quantization` choices, and complete the CPU
+    engine (cpu.py). Idempotent."""
+    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
+    from sglang.srt.layers import quantization as q
+
+    from . import cpu
+    from .config import CONFIGS
+
+    cpu.register()
+
+    for method, cls in CONFIGS.items():
+        # CPU_QUANTIZATION_METHODS is consulted instead of the others on AMX CPUs.
+        for registry in (q.QUANTIZATION_METHODS, q.BASE_QUANTIZATION_METHODS, q.CPU_QUANTIZATION_METHODS):
+            registry[method] = cls
+        if method not in QUANTIZATION_CHOICES:
+            QUANTIZATION_CHOICES.append(method)

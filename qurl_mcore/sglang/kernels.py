@@ -1,0 +1,55 @@
+"""GPU path: SGLang's own W8A8 kernels on weights quantized by `qurl_mcore.quant`.
+
+Weights are quantized exactly as the trainer does (per-channel INT8 / FP8 E4M3, `quantize_weight`); the
+activations are quantized per token by SGLang's fused kernels and the GEMMs run in SGLang's INT8 / FP8
+kernels (dense: `int8_scaled_mm`, `apply_fp8_linear`; MoE: the Triton fused-MoE runner with per-channel
+scales). Y = s_x[m] · s_w[n] · Σ_k q_x[m, k] · q_w[n, k] is the same product as the CPU path; only the
+activation rounding kernel differs (SGLang rounds half away from zero, torch half to even), a difference of
+at most one code on exact ties. Everything else (FP4, other devices) runs `qurl_mcore.quant` itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from qurl_mcore.quant import QTensor
+
+#: formats that SGLang's W8A8 kernels take, with their per-channel weights and per-token activations
+KERNEL_FORMATS = ("int8", "fp8_e4m3")
+
+
+def available(fmt: str, device: torch.device) -> bool:
+    """Whether the SGLang kernel path serves `fmt` on `device` (CUDA with sgl_kernel's W8A8 GEMMs)."""
+    if fmt not in KERNEL_FORMATS or device.type != "cuda":
+        return False
+    if fmt == "fp8_e4m3":
+        from sglang.srt.layers.quantization.fp8_utils import cutlass_fp8_supported
+
+        return bool(cutlass_fp8_supported())  # its per-token x per-channel epilogue
+    return True
+
+
+def w8a8_linear(x: torch.Tensor, wq: QTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Y = Q_token(X) · Q_channel(W)ᵀ + b with SGLang's per-token quantization and GEMM kernels."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if wq.fmt == "int8":
+        from sgl_kernel import int8_scaled_mm
+        from sglang.kernels.ops.quantization.int8_kernel import per_token_quant_int8
+
+        xq, xs = per_token_quant_int8(x2)
+        y = int8_scaled_mm(xq, wq.data.t(), xs, wq.scale, out_dtype=x.dtype, bias=bias)
+    else:
+        from sglang.srt.layers.quantization.fp8_utils import apply_fp8_linear
+
+        y = apply_fp8_linear(x2, wq.data.t(), wq.scale.reshape(1, -1), bias=bias, use_per_token_if_dynamic=True)
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def moe_quant_info(fmt: str, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor):
+    """The Triton fused-MoE runner's description of stacked per-channel W8A8 experts ([E, N, K] codes,
+    [E, N, 1] fp32 scales) with dynamic per-token activations."""
+    from sglang.srt.layers.moe.moe_runner.triton import TritonMoeQuantInfo
+
+    return TritonMoeQuantInfo(
+        w13_weight=w13, w2_weight=w2, w13_scale=w13_scale, w2_scale=w2_scale, per_channel_quant=True,
+        use_int8_w8a8=fmt == "int8", use_fp8_w8a8=fmt == "fp8_e4m3",
+    )

@@ -1,0 +1,97 @@
+"""What a qurl quantization method does, parsed from SGLang's engine arguments (no SGLang import here).
+
+A method name picks the numerics; options refine it:
+
+  qurl_int8    W8A8 INT8: per-channel weights, per-token activations      make_spec("naive", "int8")
+  qurl_fp8     W8A8 FP8 E4M3, same granularity                            make_spec("naive", "fp8_e4m3")
+  qurl_fp4     FP4 weights and activations on their own blocks            make_spec("naive", fmt)
+  qurl_fp4_rc  FP4 with residual-corrected activations, Y = Q(X)Q(W)ᵀ + Q(X-Q(X))Q(W)ᵀ
+                                                                          make_spec("rc_inference", fmt)
+(`rc_inference` and `rc_both` share this forward; the rollout engine only runs forwards.)
+
+Options (keys of the model's `quantization_config`, set from the engine with
+`json_model_override_args='{"quantization_config": {"quant_method": "qurl_fp4_rc", "fmt": "mxfp4"}}'`):
+  fmt     FP4 methods only: "nvfp4" (default) or "mxfp4".
+  scope   "all" (default: every linear layer and the MoE experts) or "experts" (MoE experts only).
+          Routers, embeddings and lm_head always stay in the checkpoint's precision.
+  kernel  "auto" (default: SGLang's INT8/FP8 GEMM kernels on CUDA, qurl_mcore.quant elsewhere) or
+          "qurl" (always qurl_mcore.quant.quantized_linear: bitwise the trainer's forward).
+  master  where the full-precision weights wait between updates: "host" (default, CPU memory) or
+          "device" (no copies per update, but full-precision memory stays on the accelerator).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+#: method name -> (quantized-linear mode, fixed format or None when `fmt` picks an FP4 format)
+METHODS: dict[str, tuple[str, str | None]] = {
+    "qurl_int8": ("naive", "int8"),
+    "qurl_fp8": ("naive", "fp8_e4m3"),
+    "qurl_fp4": ("naive", None),
+    "qurl_fp4_rc": ("rc_inference", None),
+}
+FP4_FORMATS = ("nvfp4", "mxfp4")
+SCOPES = ("all", "experts")
+KERNELS = ("auto", "qurl")
+MASTERS = ("host", "device")
+#: Keys SGLang itself adds to the dict it hands to `from_config`.
+_SGLANG_KEYS = {"quant_method", "packed_modules_mapping", "hf_config"}
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"qurl quantization option {name}={value!r} is invalid; use one of {list(allowed)}")
+    return value
+
+
+@dataclass(frozen=True)
+class QurlOptions:
+    """A validated method plus options; `spec()` is the QuantLinearSpec the trainer uses for the same layers."""
+
+    method: str
+    fmt: str
+    scope: str = "all"
+    kernel: str = "auto"
+    master: str = "host"
+
+    @classmethod
+    def parse(cls, method: str, config: Mapping[str, Any] | None = None) -> "QurlOptions":
+        """From a method name and the (possibly empty) `quantization_config` dict."""
+        if method not in METHODS:
+            raise ValueError(f"unknown qurl quantization method {method!r}; use one of {list(METHODS)}")
+        config = dict(config or {})
+        declared = config.get("quant_method", method)
+        if declared != method:
+            raise ValueError(f"quantization_config names {declared!r} but the engine runs {method!r}")
+        unknown = set(config) - _SGLANG_KEYS - {"fmt", "scope", "kernel", "master"}
+        if unknown:
+            raise ValueError(f"unknown qurl quantization option(s) {sorted(unknown)}; use fmt, scope, kernel, master")
+        fixed = METHODS[method][1]
+        if fixed is not None:
+            if config.get("fmt", fixed) != fixed:
+                raise ValueError(f"{method} always uses {fixed}; drop fmt={config['fmt']!r}")
+            fmt = fixed
+        else:
+            fmt = _choice("fmt", config.get("fmt", "nvfp4"), FP4_FORMATS)
+        return cls(
+            method, fmt,
+            scope=_choice("scope", config.get("scope", "all"), SCOPES),
+            kernel=_choice("kernel", config.get("kernel", "auto"), KERNELS),
+            master=_choice("master", config.get("master", "host"), MASTERS),
+        )
+
+    @property
+    def mode(self) -> str:
+        return METHODS[self.method][0]
+
+    def spec(self):
+        """The shared numerics: `qurl_mcore.quant.make_spec(mode, fmt)`."""
+        from qurl_mcore.quant import make_spec
+
+        return make_spec(self.mode, self.fmt)
+
+    def override_args(self) -> dict[str, Any]:
+        """The `json_model_override_args` dict that selects exactly these options in an engine."""
+        return {"quantization_config": {"quant_method": self.method, "fmt": self.fmt, "scope": self.scope,
+                                        "kernel": self.kernel, "master": self.master}}
