@@ -21,6 +21,32 @@ def _prepare_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _patch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .patching import PatchError, PatchSet
+
+    try:
+        ps = PatchSet.installed(args.target, Path(args.patches) if args.patches else None)
+        where = f"{ps.target.dist} {ps.version} at {ps.root}"
+        if args.action == "apply":
+            done = ps.apply()
+            print(f"{where}: applied {done or 'nothing new'}; {len(ps.patches)} patch(es) pinned")
+        elif args.action == "revert":
+            print(f"{where}: reverted {ps.revert() or 'nothing'}")
+        else:
+            states = ps.status()
+            for name, state in states.items():
+                print(f"{state:9s} {name}")
+            print(f"{where}: {len(states)} patch(es) pinned, manifest {ps.manifest_path}")
+            if args.action == "check" and any(s != "applied" for s in states.values()):
+                return 1
+    except PatchError as err:
+        print(f"qurl patch {args.action}: {err}")
+        return 2
+    return 0
+
+
 def _launch_slurm(args: argparse.Namespace) -> int:
     from .slurm import SlurmJob, render, submit
 
@@ -87,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     rep.set_defaults(func=_quant_report)
     prep = sub.add_parser("prepare-models", help="convert/generate the cached test and demo checkpoints")
     prep.set_defaults(func=_prepare_models)
+    pat = sub.add_parser("patch", help="pinned source patch sets for installed packages (docs/patches.md)")
+    pat.add_argument("action", choices=["apply", "check", "revert", "status"],
+                     help="check exits 1 unless every pinned patch is applied")
+    pat.add_argument("--target", required=True, choices=["sglang", "megatron"])
+    pat.add_argument("--patches", help="patch directory (default: the checkout's patches/)")
+    pat.set_defaults(func=_patch)
     _add_launch(sub)
     args = parser.parse_args(argv)
     return args.func(args)
