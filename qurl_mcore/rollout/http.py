@@ -1,0 +1,109 @@
+"""`HttpEngine`: an SGLang HTTP server, started here (bound to 127.0.0.1 by default) or attached to by URL.
+
+Weight pushes send tensors the way SGLang's own HTTP adapter does: the JSON request carries torch
+multiprocessing handles to the pushing process's memory, so pusher and server must share a host (the
+colocated RL layout). Across hosts, push through `update_weights_from_distributed` instead.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from .config import EngineConfig
+from .engine import RolloutEngine
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class HttpEngine(RolloutEngine):
+    """Requests go to `url` with `Authorization: Bearer <api_key>` when a key is set; each has a timeout."""
+
+    def __init__(self, config: EngineConfig, url: str, *, api_key: str | None = None, timeout: float = 600.0,
+                 process: subprocess.Popen | None = None, log_path: str | None = None):
+        super().__init__(config)
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.process = process
+        self.log_path = log_path
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    @classmethod
+    def launch(cls, config: EngineConfig, *, host: str = "127.0.0.1", port: int | None = None,
+               api_key: str | None = None, startup_timeout: float = 300.0, timeout: float = 600.0) -> "HttpEngine":
+        """Start `python -m sglang.launch_server` in its own process group and wait until it serves."""
+        port = port or free_port(host)
+        log = tempfile.NamedTemporaryFile("w", prefix="qurl-sglang-", suffix=".log", delete=False)
+        argv = [sys.executable, "-m", "sglang.launch_server", *config.server_argv(host, port, api_key)]
+        process = subprocess.Popen(argv, env={**os.environ, **config.environment()}, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        engine = cls(config, f"http://{host}:{port}", api_key=api_key, timeout=timeout, process=process,
+                     log_path=log.name)
+        try:
+            engine._wait_ready(startup_timeout)
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    def _wait_ready(self, timeout: float) -> None:
+        import requests
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"SGLang server exited with {self.process.returncode}; log: {self.log_path}")
+            try:
+                if requests.get(f"{self.url}/health", headers=self._headers, timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"SGLang server at {self.url} not ready after {timeout:.0f} s; log: {self.log_path}")
+
+    def _post(self, endpoint: str, payload: dict):
+        import requests
+
+        r = requests.post(f"{self.url}/{endpoint}", json=payload, headers=self._headers, timeout=self.timeout)
+        if r.status_code == 400:  # SGLang reports refused control calls as 400 with {"success": false, ...}
+            return r.json()
+        r.raise_for_status()
+        return r.json()
+
+    def _generate(self, input_ids, sampling, extra):
+        return self._post("generate", {"input_ids": input_ids, "sampling_params": sampling, **extra})
+
+    def _control(self, call, **kwargs):
+        if call == "update_weights_from_tensor":
+            from sglang.srt.utils import MultiprocessingSerializer
+
+            tp = int(self.config.extra.get("tp_size", 1))
+            payload = MultiprocessingSerializer.serialize(kwargs.pop("named_tensors"), output_str=True)
+            kwargs["serialized_named_tensors"] = [payload] * tp
+        return self._post(call, kwargs)
+
+    def model_info(self) -> dict:
+        import requests
+
+        r = requests.get(f"{self.url}/model_info", headers=self._headers, timeout=self.timeout)
+        r.raise_for_status()
+        return r.json()
+
+    def shutdown(self) -> None:
+        """Stop a server this object launched (its whole process group); an attached server keeps running."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)

@@ -1,0 +1,53 @@
+"""What one SGLang generation returns, as the RL loop needs it."""
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Generation:
+    """One sampled completion.
+
+    `output_logprobs[i]` is the behaviour log-probability log π_behav(output_ids[i] | prefix): SGLang's
+    log_softmax(logits / temperature) before top-k/top-p filtering. `prompt_logprobs[j]` scores prompt token
+    j+1 teacher-forced (present when the request set `logprob_start_len=0`). `routed_experts` has shape
+    [prompt + output - 1, layers, top_k]: the experts each forwarded token was routed to in every MoE layer
+    (present when requested from an engine started with `return_routed_experts`).
+    """
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    prompt_logprobs: list[float] | None
+    text: str
+    finish_reason: Any
+    weight_version: str | None
+    routed_experts: np.ndarray | None = None
+
+
+def decode_routed_experts(encoded: str, num_layers: int, top_k: int) -> np.ndarray:
+    """SGLang ships routed expert ids as base64 of int32 [tokens, layers, top_k]."""
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    return flat.reshape(-1, num_layers, top_k)
+
+
+def parse(out: dict[str, Any], prompt_ids: list[int], moe_shape: tuple[int, int] | None) -> Generation:
+    """A `Generation` from one SGLang response dict (Engine.generate or HTTP /generate)."""
+    meta = out["meta_info"]
+    output = meta["output_token_logprobs"]
+    prompt = meta.get("input_token_logprobs")
+    routed = meta.get("routed_experts")
+    return Generation(
+        prompt_ids=list(prompt_ids),
+        output_ids=[int(t[1]) for t in output],
+        output_logprobs=[float(t[0]) for t in output],
+        prompt_logprobs=[float(t[0]) for t in prompt[1:]] if prompt else None,  # token 0 has no log-prob
+        text=out.get("text", ""),
+        finish_reason=meta.get("finish_reason"),
+        weight_version=meta.get("weight_version"),
+        routed_experts=decode_routed_experts(routed, *moe_shape) if routed and moe_shape else None,
+    )

@@ -1,0 +1,63 @@
+"""The rollout client against a real SGLang HTTP server (tiny Qwen3-MoE, qurl_fp8): loopback only, an API
+key, bounded timeouts, and the server is always shut down."""
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+
+from qurl_mcore.models.tiny import tiny_checkpoint
+from qurl_mcore.rollout import EngineConfig, HttpEngine, WeightPushError
+
+KEY = "test-key-not-a-secret"
+
+
+@pytest.fixture(scope="module")
+def server():
+    path = str(tiny_checkpoint("qwen3_moe"))
+    config = EngineConfig(path, "qurl_fp8", device="cpu", dtype="bfloat16", mem_fraction_static=0.2,
+                          max_total_tokens=4096, context_length=1024, return_routed_experts=True)
+    engine = HttpEngine.launch(config, api_key=KEY, startup_timeout=240, timeout=120)
+    try:
+        yield engine, path
+    finally:
+        engine.shutdown()
+    assert engine.process.poll() is not None
+
+
+def test_binds_loopback_and_requires_the_key(server):
+    engine, _ = server
+    assert engine.url.startswith("http://127.0.0.1:")
+    r = requests.post(f"{engine.url}/generate", json={"input_ids": [1, 2, 3]}, timeout=30)
+    assert r.status_code == 401
+
+
+def test_generate_returns_ids_logprobs_and_routed_experts(server):
+    engine, _ = server
+    prompts = [[1, 504, 3575, 282], [1, 17, 18]]
+    outs = engine.generate(prompts, {"max_new_tokens": 5, "temperature": 1.0, "top_p": 0.9},
+                           routed_experts=True)
+    for g, p in zip(outs, prompts):
+        assert g.prompt_ids == p and len(g.output_ids) == len(g.output_logprobs) == 5
+        assert all(lp <= 0 for lp in g.output_logprobs)
+        assert g.routed_experts.shape == (len(p) + 5 - 1, 2, 2)
+        assert ((g.routed_experts >= 0) & (g.routed_experts < 4)).all()
+
+
+def test_push_weights_with_version(server):
+    from safetensors.torch import load_file
+
+    engine, path = server
+    tensors = load_file(f"{path}/model.safetensors")
+    ids = [[1, 504, 3575, 282, 3575]]
+    greedy = {"max_new_tokens": 6, "temperature": 0.0}
+    before = engine.generate(ids, greedy)[0]
+    zeroed = [(k, torch.zeros_like(v)) for k, v in tensors.items() if k.endswith("o_proj.weight")]
+    assert engine.push_weights(zeroed, version="step-1", bucket_bytes=16 << 10) == 2
+    changed = engine.generate(ids, greedy)[0]
+    assert changed.weight_version == "step-1" and changed.output_logprobs != before.output_logprobs
+    engine.push_weights(list(tensors.items()), version="step-2")
+    after = engine.generate(ids, greedy)[0]
+    assert (after.output_ids, after.output_logprobs) == (before.output_ids, before.output_logprobs)
+    with pytest.raises(WeightPushError, match="step-3"):
+        engine.check_version("step-3")

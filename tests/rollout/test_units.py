@@ -1,0 +1,55 @@
+"""Rollout client pieces that need no engine: buckets, engine arguments, response parsing."""
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from qurl_mcore.rollout import EngineConfig, buckets
+from qurl_mcore.rollout.results import parse
+
+
+def test_buckets_bound_size_keep_order_and_never_split():
+    tensors = [(f"t{i}", torch.zeros(n, dtype=torch.bfloat16)) for i, n in enumerate([10, 20, 5, 100, 1, 1])]
+    out = list(buckets(tensors, max_bytes=64))
+    assert [name for b in out for name, _ in b] == [name for name, _ in tensors]
+    for b in out:
+        size = sum(t.numel() * t.element_size() for _, t in b)
+        assert size <= 64 or len(b) == 1  # the 200-byte tensor travels alone
+    assert [len(b) for b in out] == [2, 1, 1, 2]  # 20+40 | 10 | 200 | 2+2
+    with pytest.raises(ValueError):
+        list(buckets(tensors, 0))
+
+
+def test_engine_config_renders_quantization_and_cpu_settings():
+    cfg = EngineConfig("/m", "qurl_fp4_rc", {"fmt": "mxfp4", "scope": "experts"}, device="cpu",
+                       return_routed_experts=True, max_total_tokens=4096)
+    kw = cfg.engine_kwargs()
+    assert kw["quantization"] == "qurl_fp4_rc" and kw["enable_return_routed_experts"] is True
+    assert json.loads(kw["json_model_override_args"])["quantization_config"] == {
+        "quant_method": "qurl_fp4_rc", "fmt": "mxfp4", "scope": "experts", "kernel": "auto", "master": "host"}
+    assert kw["attention_backend"] == "torch_native" and cfg.environment() == {"SGLANG_USE_CPU_ENGINE": "1"}
+    argv = cfg.server_argv("127.0.0.1", 30000, api_key="k")
+    assert argv[:6] == ["--host", "127.0.0.1", "--port", "30000", "--api-key", "k"]
+    assert "--enable-return-routed-experts" in argv and "--skip-server-warmup" in argv
+    assert argv[argv.index("--max-total-tokens") + 1] == "4096"
+    with pytest.raises(ValueError, match="fmt"):
+        EngineConfig("/m", "qurl_fp4", {"fmt": "int4"}).engine_kwargs()
+    with pytest.raises(ValueError, match="without a qurl"):
+        EngineConfig("/m", None, {"fmt": "mxfp4"}).engine_kwargs()
+
+
+def test_parse_response_with_prompt_logprobs_and_routed_experts():
+    routed = np.arange(3 * 2 * 2, dtype=np.int32)
+    out = {"text": "ab", "meta_info": {
+        "input_token_logprobs": [(None, 5, None), (-1.5, 6, None)],
+        "output_token_logprobs": [(-0.25, 7, None), (-0.5, 8, None)],
+        "finish_reason": {"type": "length"}, "weight_version": "v3",
+        "routed_experts": base64.b64encode(routed.tobytes()).decode()}}
+    g = parse(out, [5, 6], moe_shape=(2, 2))
+    assert g.output_ids == [7, 8] and g.output_logprobs == [-0.25, -0.5] and g.prompt_logprobs == [-1.5]
+    assert g.weight_version == "v3" and g.routed_experts.shape == (3, 2, 2)
+    assert g.routed_experts[2, 1, 0] == routed.reshape(3, 2, 2)[2, 1, 0]
