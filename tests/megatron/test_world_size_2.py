@@ -3,6 +3,9 @@ spawned processes, checked against HF transformers and against the same models a
 import pytest
 import torch
 
+from qurl_mcore.megatron.convert import load_hf_weights
+from qurl_mcore.megatron.logprobs import token_logprobs
+from qurl_mcore.megatron.models import build_gpt
 from qurl_mcore.megatron.parallel import spawn
 from qurl_mcore.models.tiny import tiny_checkpoint
 
@@ -27,10 +30,6 @@ def _check_common(results, path, ids):
 def _check_quantized_matches_ws1(quant, path, ids, recipe, scope, fmt):
     """The sharded quantized model agrees with the unsharded one far better than either agrees with bf16."""
     ref = workers.quantized_step(path, ids, recipe, scope, fmt)  # world size 1, in this process
-    from qurl_mcore.megatron.convert import load_hf_weights
-    from qurl_mcore.megatron.logprobs import token_logprobs
-    from qurl_mcore.megatron.models import build_gpt
-
     bf16 = build_gpt(path)
     load_hf_weights(bf16, path)
     quant_error = (ref["logprobs"] - token_logprobs(bf16, ids).logprobs).abs().max()
