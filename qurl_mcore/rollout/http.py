@@ -83,11 +83,19 @@ class HttpEngine(RolloutEngine):
 
     def _control(self, call, **kwargs):
         if call == "update_weights_from_tensor":
+            import torch.multiprocessing as mp
             from sglang.srt.utils import MultiprocessingSerializer
 
-            tp = int(self.config.extra.get("tp_size", 1))
-            payload = MultiprocessingSerializer.serialize(kwargs.pop("named_tensors"), output_str=True)
-            kwargs["serialized_named_tensors"] = [payload] * tp
+            # CPU storages travel as named shared-memory files: the default (file descriptors handed over by
+            # multiprocessing's resource sharer) authenticates with our process's key, which a server we did
+            # not fork does not hold. CUDA tensors travel as CUDA IPC handles either way.
+            previous = mp.get_sharing_strategy()
+            mp.set_sharing_strategy("file_system")
+            try:
+                payload = MultiprocessingSerializer.serialize(kwargs.pop("named_tensors"), output_str=True)
+            finally:
+                mp.set_sharing_strategy(previous)
+            kwargs["serialized_named_tensors"] = [payload] * int(self.config.extra.get("tp_size", 1))
         return self._post(call, kwargs)
 
     def model_info(self) -> dict:

@@ -65,7 +65,7 @@ def reference_model(path, spec: QuantLinearSpec | None, scope: str = "all", dtyp
     """The HF model at `path`, quantized like the rollout engine (spec None: unquantized)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa").eval()
     if spec is None:
         return model
     for layer in model.model.layers:

@@ -40,15 +40,15 @@ def test_uaq_scaled_push_leaves_bf16_outputs_unchanged(bf16_engine):
     before = engine.generate([ids], sampling, prompt_logprobs=True)[0]
     original = checkpoint_tensors(path)
     scaled = uaq_scaled(original, S)
-    assert len(scaled) == 5 * 30  # every layer's two norms and five following linears
+    assert len(scaled) == 7 * 30  # every layer's two norms and the five linears that follow them
     assert all(not torch.equal(scaled[k], original[k]) for k in scaled)
     engine.push_weights(list(scaled.items()), version="uaq")
     after = engine.generate([ids], sampling, prompt_logprobs=True)[0]
     assert after.output_ids == before.output_ids
     assert after.output_logprobs == before.output_logprobs
     assert after.prompt_logprobs == before.prompt_logprobs
-    # the push really landed: a non-invariant rescaling (linears only) changes the outputs
-    engine.push_weights([(k, v) for k, v in scaled.items() if "layernorm" not in k], version="broken")
+    # the push really landed: taking back only the norm half of the rescaling changes the outputs
+    engine.push_weights([(k, original[k]) for k in scaled if "layernorm" in k], version="linears-only")
     broken = engine.generate([ids], sampling, prompt_logprobs=True)[0]
     assert broken.prompt_logprobs != before.prompt_logprobs
     engine.push_weights(list(original.items()), version="original")
