@@ -1,0 +1,64 @@
+"""The plugin's pieces without an engine: options, registration, master-weight bookkeeping."""
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+from qurl_mcore.quant import make_spec, quantize_weight
+from qurl_mcore.sglang import METHODS, QurlOptions, register
+from qurl_mcore.sglang import weights
+
+
+def test_options_defaults_and_validation():
+    assert QurlOptions.parse("qurl_int8").spec() == make_spec("naive", "int8")
+    assert QurlOptions.parse("qurl_fp8").spec() == make_spec("naive", "fp8_e4m3")
+    assert QurlOptions.parse("qurl_fp4").fmt == "nvfp4"
+    rc = QurlOptions.parse("qurl_fp4_rc", {"quant_method": "qurl_fp4_rc", "fmt": "mxfp4", "scope": "experts",
+                                           "packed_modules_mapping": {}, "hf_config": None})
+    assert rc.spec() == make_spec("rc_inference", "mxfp4") and rc.scope == "experts"
+    for bad in ({"fmt": "int4"}, {"scope": "attention"}, {"kernel": "cutlass"}, {"master": "disk"}, {"bits": 4},
+                {"quant_method": "qurl_fp4"}):
+        with pytest.raises(ValueError):
+            QurlOptions.parse("qurl_fp4_rc", bad)
+    with pytest.raises(ValueError, match="always uses int8"):
+        QurlOptions.parse("qurl_int8", {"fmt": "fp8_e4m3"})
+    assert QurlOptions.parse("qurl_fp4_rc", rc.override_args()["quantization_config"]) == rc
+
+
+def test_registered_through_the_entry_point():
+    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
+    from sglang.srt.layers.quantization import CPU_QUANTIZATION_METHODS, QUANTIZATION_METHODS
+
+    [ep] = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "qurl"]
+    assert ep.load() is register
+    register()
+    for method in METHODS:
+        assert QUANTIZATION_METHODS[method].method == method
+        assert CPU_QUANTIZATION_METHODS[method] is QUANTIZATION_METHODS[method]
+        assert method in QUANTIZATION_CHOICES
+
+
+def test_master_detach_attach_keeps_the_parameter_and_its_loader():
+    layer = torch.nn.Module()
+    param = torch.nn.Parameter(torch.randn(4, 8), requires_grad=False)
+    param.weight_loader = "loader"
+    layer.register_parameter("weight", param)
+    weights.detach_master(layer, "weight", host=True)
+    assert not weights.is_loaded(layer, "weight") and "weight" not in dict(layer.named_parameters())
+    weights.attach_master(layer, "weight")
+    assert layer.weight is param and layer.weight.weight_loader == "loader"
+    weights.attach_master(layer, "weight")  # no-op when attached
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
+def test_store_rewrites_in_place(fmt):
+    spec = make_spec("naive", fmt)
+    old = quantize_weight(torch.randn(32, 64), spec)
+    ptrs = (old.data.data_ptr(), old.scale.data_ptr())
+    new = quantize_weight(torch.randn(32, 64), spec)
+    kept = weights.store(old, new)
+    assert kept is old and (old.data.data_ptr(), old.scale.data_ptr()) == ptrs
+    assert torch.equal(kept.dequantize(), new.dequantize())
+    assert weights.store(old, quantize_weight(torch.randn(16, 64), spec)) is not old  # other shape: replaced
