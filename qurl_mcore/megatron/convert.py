@@ -44,6 +44,10 @@ class Rule:
     layout: str
     needs: str = ""  # the feature (see `features`) this rule exists under; "" = always
 
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; use one of {list(LAYOUTS)}")
+
 
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
