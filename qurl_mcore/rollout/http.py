@@ -50,7 +50,7 @@ class HttpEngine(RolloutEngine):
         try:
             engine._wait_ready(startup_timeout)
         except BaseException:
-            engine.shutdown()
+            engine.shutdown(keep_log=True)  # the error names the log
             raise
         return engine
 
@@ -105,13 +105,18 @@ class HttpEngine(RolloutEngine):
         r.raise_for_status()
         return r.json()
 
-    def shutdown(self) -> None:
-        """Stop a server this object launched (its whole process group); an attached server keeps running."""
-        if self.process is None or self.process.poll() is not None:
+    def shutdown(self, keep_log: bool = False) -> None:
+        """Stop a server this object launched (its whole process group) and remove its log unless asked to
+        keep it; an attached server keeps running."""
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
+        if self.log_path and not keep_log:
+            os.unlink(self.log_path)
+            self.log_path = None
