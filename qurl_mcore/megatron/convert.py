@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from qurl_mcore.rollout.buckets import buckets
 from qurl_mcore.uaq import uaq_scale_hf
 
 from .models import load_hf_config
@@ -275,18 +276,11 @@ def export_hf_weights(
     the same buckets. `dtype` casts (e.g. torch.bfloat16 for SGLang); `uaq_scale` applies UAQ with that s
     to the exported tensors (for a model not UAQ-scaled in place)."""
     hf = load_hf_config(hf_config)
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in _iter_hf_tensors(model, hf):
-        if uaq_scale is not None:
-            tensor = uaq_scale_hf(name, tensor, uaq_scale)
-        if dtype is not None:
-            tensor = tensor.to(dtype)
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in _iter_hf_tensors(model, hf):
+            if uaq_scale is not None:
+                tensor = uaq_scale_hf(name, tensor, uaq_scale)
+            yield name, tensor if dtype is None else tensor.to(dtype)
+
+    yield from buckets(tensors(), bucket_bytes)
