@@ -103,6 +103,37 @@ def _add_launch(sub) -> None:
     p.set_defaults(func=_launch_slurm)
 
 
+def _align(args: argparse.Namespace) -> int:
+    import json
+
+    from .align import format_table, run_alignment
+
+    recipes = [r for item in args.recipes for r in item.split(",") if r] if args.recipes else None
+    try:
+        rows = run_alignment(recipes, args.model, scope=args.scope, fmt=args.fmt, prompts=args.prompts,
+                             max_new_tokens=args.max_new_tokens, seed=args.seed)
+    except ValueError as err:
+        print(f"qurl align: {err}")
+        return 2
+    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    return 0
+
+
+def _add_align(sub) -> None:
+    from .align import FORMATS, PROMPTS, RECIPES, SCOPES
+
+    p = sub.add_parser("align", help="train-vs-rollout alignment of an MoE per FP4 recipe (MoEResQ Table 2)")
+    p.add_argument("--model", help="Qwen3-MoE HF checkpoint directory (default: the tiny random Qwen3-MoE)")
+    p.add_argument("--recipes", nargs="+", metavar="RECIPE", help=f"subset of {', '.join(RECIPES)} (default: all)")
+    p.add_argument("--scope", choices=SCOPES, default="experts", help="quantized linears (default: experts)")
+    p.add_argument("--fmt", choices=FORMATS, default="nvfp4", help="FP4 format (default: nvfp4)")
+    p.add_argument("--prompts", type=int, default=4, help=f"fixed prompts to sample from, 1-{len(PROMPTS)} (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="response length (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="rollout engine's sampling seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    p.set_defaults(func=_align)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qurl", description="Quantized-rollout RL for Megatron-Core and SGLang.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,5 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     pat.add_argument("--patches", help="patch directory (default: the checkout's patches/)")
     pat.set_defaults(func=_patch)
     _add_launch(sub)
+    _add_align(sub)
     args = parser.parse_args(argv)
     return args.func(args)

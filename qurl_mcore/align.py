@@ -1,0 +1,291 @@
+"""Train-vs-rollout alignment of an MoE under FP4 recipes: MoEResQ's Table 2 at small scale (docs/align.md).
+
+For each recipe the rollout side (a real SGLang engine, `qurl_mcore.rollout.LocalEngine`) samples a response
+to a few fixed prompts, and the training side (a real Megatron GPTModel, `qurl_mcore.megatron`) scores
+exactly those sequences teacher-forced. Both load the same BF16 HF checkpoint:
+
+| recipe | rollout (SGLang quantization) | training (Megatron recipe) |
+|---|---|---|
+| bf16 | None | bf16 |
+| fp4 | qurl_fp4 | fp4 |
+| rc_rollout | qurl_fp4_rc | fp4 |
+| rc_training | qurl_fp4 | fp4_rc |
+| rc_both | qurl_fp4_rc | fp4_rc |
+
+Both sides quantize the same linears (`scope`: "experts" = the routed experts only, "all" = also attention and
+shared experts; routers, norms, embeddings and the output layer never) in the same FP4 format (`fmt`).
+
+Positions. Prompt p_0..p_{P-1}, response r_0..r_{N-1}, sequence x = p ‖ r. The metrics run over the N
+response tokens: token r_i = x_{P+i} was sampled from the forward at position P-1+i, so its pair is
+
+  rollout  log π_rollout(r_i) = Generation.output_logprobs[i]     experts = Generation.routed_experts[P-1+i]
+  training log π_train(r_i)   = token_logprobs(...).logprobs[P+i]  experts = .routed_experts[:, 0, P-1+i]
+
+(the engine's routed_experts row j is the routing of forwarded token j, rows 0..P+N-2; Megatron's routing
+at position t is that of input token t). With l_i = log π_train(r_i), m_i = log π_rollout(r_i), the top-k
+expert sets E_i,ℓ (training) and F_i,ℓ (rollout) of token position i in MoE layer ℓ of L, and T = N summed
+over prompts:
+
+  pcc                    = Pearson(exp l, exp m) = Σ(a_i − ā)(b_i − b̄) / √(Σ(a_i − ā)² Σ(b_i − b̄)²),
+                           a = exp l, b = exp m                               (`rl.metrics.prob_pearson`)
+  topk_match_frac        = 1/(T L) Σ_i,ℓ [E_i,ℓ = F_i,ℓ]                      (`rl.metrics.topk_match_fraction`)
+  topk_overlap_mean      = 1/(T L) Σ_i,ℓ |E_i,ℓ ∩ F_i,ℓ| / k                  (`rl.metrics.topk_overlap_mean`)
+  mean_abs_logprob_diff  = 1/T Σ_i |l_i − m_i|                                (`rl.metrics.mean_abs_logprob_diff`)
+
+Recipes that share a rollout method share one engine and its sampled responses (fp4 and rc_training;
+rc_rollout and rc_both), and recipes that share a training recipe share one Megatron model, so the five
+recipes cost three engine starts and three models.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+
+if TYPE_CHECKING:  # torch, SGLang and Megatron load only when a measurement runs, not with the CLI parser
+    import torch
+
+    from .rollout import EngineConfig, Generation
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One row of the experiment: the rollout engine's quantization method and the trainer's recipe."""
+
+    rollout: str | None  # SGLang quantization (None: unquantized)
+    training: str  # qurl_mcore.megatron.recipes.RECIPES key
+
+
+#: recipe -> (rollout method, training recipe), in MoEResQ Table 2's order
+RECIPES: dict[str, Recipe] = {
+    "bf16": Recipe(None, "bf16"),
+    "fp4": Recipe("qurl_fp4", "fp4"),
+    "rc_rollout": Recipe("qurl_fp4_rc", "fp4"),
+    "rc_training": Recipe("qurl_fp4", "fp4_rc"),
+    "rc_both": Recipe("qurl_fp4_rc", "fp4_rc"),
+}
+SCOPES = ("experts", "all")
+FORMATS = ("nvfp4", "mxfp4")
+#: short fixed prompts; the first `n` are used
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Question: what is 17 + 25? Answer:",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Photosynthesis converts sunlight into",
+    "import numpy as np\nx = np.",
+    "Translate to German: good morning ->",
+)
+#: the metric keys of a row, in table order
+METRICS = ("pcc", "topk_match_frac", "topk_overlap_mean", "mean_abs_logprob_diff")
+
+
+def check_recipes(names: Iterable[str] | None) -> list[str]:
+    """The recipe names to run (all of `RECIPES`, in its order, when None), validated and deduplicated."""
+    if names is None:
+        return list(RECIPES)
+    names = list(dict.fromkeys(names))
+    bad = [n for n in names if n not in RECIPES]
+    if bad:
+        raise ValueError(f"unknown alignment recipe(s) {bad}; use any of {list(RECIPES)}")
+    if not names:
+        raise ValueError(f"no recipes given; use any of {list(RECIPES)}")
+    return names
+
+
+def _check_options(scope: str, fmt: str) -> None:
+    if scope not in SCOPES:
+        raise ValueError(f"unknown scope {scope!r}; use one of {list(SCOPES)}")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown FP4 format {fmt!r}; use one of {list(FORMATS)}")
+
+
+def default_model() -> Path:
+    """The tiny random Qwen3-MoE (2 layers, 4 experts, top-2) with SmolLM2's tokenizer."""
+    from .models.tiny import tiny_checkpoint
+
+    return tiny_checkpoint("qwen3_moe")
+
+
+def _check_moe(model_path: str) -> None:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if config.get("model_type") != "qwen3_moe":
+        raise ValueError(f"{model_path} is a {config.get('model_type')!r} checkpoint; the alignment experiment "
+                         "needs a Qwen3-MoE (model_type 'qwen3_moe') HF checkpoint")
+
+
+def prompt_ids(model_path: str, n: int) -> list[list[int]]:
+    """The first `n` of `PROMPTS`, tokenized with the checkpoint's tokenizer."""
+    if not 1 <= n <= len(PROMPTS):
+        raise ValueError(f"prompts must be between 1 and {len(PROMPTS)}, got {n}")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return [tok(p)["input_ids"] for p in PROMPTS[:n]]
+
+
+def engine_config(method: str | None, model_path: str, *, scope: str = "experts", fmt: str = "nvfp4",
+                  seed: int = 0, dtype: str = "float32", max_tokens: int = 4096) -> EngineConfig:
+    """A CPU engine serving `model_path` under `method` with routed-expert capture; fp32 activations by
+    default, like the trainer, so that only quantization separates the two sides."""
+    from .rollout import EngineConfig
+
+    options = {} if method is None else {"fmt": fmt, "scope": scope}
+    return EngineConfig(str(model_path), method, options, device="cpu", dtype=dtype, mem_fraction_static=0.2,
+                        max_total_tokens=max(4096, max_tokens), return_routed_experts=True, random_seed=seed,
+                        extra={"disable_radix_cache": True})  # every request computes all its tokens
+
+
+def rollout(method: str | None, model_path: str, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
+            scope: str = "experts", fmt: str = "nvfp4", seed: int = 0, dtype: str = "float32") -> list[Generation]:
+    """One sampled response (temperature 1) per prompt from a fresh engine, with behaviour log-probs and
+    routed experts. The engine is seeded with `seed`, so a rerun samples the same tokens."""
+    from .rollout import LocalEngine
+
+    longest = max(map(len, prompts)) + max_new_tokens
+    config = engine_config(method, model_path, scope=scope, fmt=fmt, seed=seed, dtype=dtype,
+                           max_tokens=2 * len(prompts) * longest)
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    with LocalEngine(config) as engine:
+        return engine.generate([list(p) for p in prompts], sampling, routed_experts=True)
+
+
+def training_model(recipe: str, model_path: str, *, scope: str = "experts", fmt: str = "nvfp4"):
+    """A Megatron GPTModel of the checkpoint under a training recipe (Megatron must be initialised)."""
+    from .megatron.convert import load_hf_weights
+    from .megatron.models import build_gpt
+
+    model = build_gpt(model_path, recipe=recipe, scope=scope, fmt=None if recipe == "bf16" else fmt)
+    load_hf_weights(model, model_path)
+    return model.eval()
+
+
+def paired(model, generations: Sequence[Generation]) -> dict[str, torch.Tensor]:
+    """Train and rollout values of every response token, paired by position (module docstring).
+
+    Each sequence is scored alone (no padding, which would enter NVFP4's per-tensor activation scale).
+    Returns `train_logprobs`/`rollout_logprobs` [T] and `train_experts`/`rollout_experts` [T, layers, k].
+    """
+    import torch
+
+    from .megatron.logprobs import token_logprobs
+
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in
+                                          ("train_logprobs", "rollout_logprobs", "train_experts", "rollout_experts")}
+    for g in generations:
+        p, n = len(g.prompt_ids), len(g.output_ids)
+        if n == 0:
+            continue
+        if g.routed_experts is None or g.routed_experts.shape[0] != p + n - 1:
+            got = None if g.routed_experts is None else g.routed_experts.shape
+            raise RuntimeError(f"engine returned routed experts {got} for {p} prompt + {n} output tokens; "
+                               f"expected {p + n - 1} rows")
+        ids = torch.tensor([g.prompt_ids + g.output_ids])
+        with torch.no_grad():
+            scored = token_logprobs(model, ids, return_routed_experts=True)
+        out["train_logprobs"].append(scored.logprobs[0, p:].double())
+        out["rollout_logprobs"].append(torch.tensor(g.output_logprobs, dtype=torch.float64))
+        out["train_experts"].append(scored.routed_experts[:, 0, p - 1:p + n - 1].transpose(0, 1).long())
+        out["rollout_experts"].append(torch.from_numpy(g.routed_experts[p - 1:p + n - 1].copy()).long())
+    if not out["train_logprobs"]:
+        raise RuntimeError("the engine generated no tokens")
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def metrics(pairs: dict[str, torch.Tensor]) -> dict[str, object]:
+    """The alignment metrics of `paired` values (module docstring), plus `topk_match_by_layer`."""
+    import torch
+
+    from .rl.metrics import mean_abs_logprob_diff, prob_pearson, topk_match_fraction, topk_overlap_mean
+
+    lt, lr = pairs["train_logprobs"], pairs["rollout_logprobs"]
+    mask = torch.ones_like(lt, dtype=torch.bool)
+    by_layer, match = topk_match_fraction(pairs["train_experts"], pairs["rollout_experts"])
+    _, overlap = topk_overlap_mean(pairs["train_experts"], pairs["rollout_experts"])
+    return {
+        "tokens": int(lt.numel()),
+        "pcc": prob_pearson(lt, lr, mask),
+        "topk_match_frac": match,
+        "topk_overlap_mean": overlap,
+        "mean_abs_logprob_diff": mean_abs_logprob_diff(lt, lr, mask),
+        "topk_match_by_layer": [round(v, 6) for v in by_layer.tolist()],
+    }
+
+
+@contextlib.contextmanager
+def megatron_ready() -> Iterator[None]:
+    """Megatron's groups at world size 1 for the duration, unless the caller already started them."""
+    from megatron.core import parallel_state
+
+    from .megatron.parallel import destroy_parallel, init_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        yield
+        return
+    init_parallel()
+    try:
+        yield
+    finally:
+        destroy_parallel()
+
+
+def run_alignment(recipes: Iterable[str] | None = None, model_path: str | Path | None = None, *,
+                  scope: str = "experts", fmt: str = "nvfp4", prompts: int = 4, max_new_tokens: int = 32,
+                  seed: int = 0, dtype: str = "float32") -> list[dict]:
+    """One row (a dict: recipe, rollout, training, scope, fmt, model, tokens and the metrics) per recipe.
+
+    All rollouts run first (one engine per distinct rollout method), then Megatron scores them (one model per
+    distinct training recipe)."""
+    names = check_recipes(recipes)
+    _check_options(scope, fmt)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    model_path = str(model_path or default_model())
+    _check_moe(model_path)
+    ids = prompt_ids(model_path, prompts)
+    generations: dict[str | None, list[Generation]] = {}
+    for name in names:
+        method = RECIPES[name].rollout
+        if method not in generations:
+            generations[method] = rollout(method, model_path, ids, max_new_tokens=max_new_tokens, scope=scope,
+                                          fmt=fmt, seed=seed, dtype=dtype)
+    rows = []
+    with megatron_ready():
+        models = {}  # training recipe -> model
+        for name in names:
+            recipe = RECIPES[name]
+            if recipe.training not in models:
+                models[recipe.training] = training_model(recipe.training, model_path, scope=scope, fmt=fmt)
+            row = {"recipe": name, "rollout": recipe.rollout or "bf16", "training": recipe.training,
+                   "scope": scope, "fmt": fmt, "model": model_path}
+            row.update(metrics(paired(models[recipe.training], generations[recipe.rollout])))
+            rows.append(row)
+        models.clear()
+    return rows
+
+
+def measure(recipe: str, model_path: str | Path | None = None, **kwargs) -> dict:
+    """The row of one recipe; keywords as `run_alignment`."""
+    return run_alignment([recipe], model_path, **kwargs)[0]
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """A Markdown table of `run_alignment` rows (metrics to 4 decimals)."""
+    if not rows:
+        raise ValueError("no rows to format")
+    head = ["recipe", "rollout", "training", "tokens", "PCC", "top-k match", "top-k overlap", "mean |Δ logp|"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        missing = [k for k in ("recipe", "rollout", "training", "tokens", *METRICS) if k not in row]
+        if missing:
+            raise ValueError(f"row {row.get('recipe', '?')!r} lacks {missing}")
+        cells = [row["recipe"], row["rollout"], row["training"], str(row["tokens"])]
+        cells += [f"{row[k]:.4f}" for k in METRICS]
+        lines.append("| " + " | ".join(cells) + " |")
+    first = rows[0]
+    if "scope" in first and "fmt" in first:
+        lines.append(f"\nscope {first['scope']}, fmt {first['fmt']}")
+    return "\n".join(lines)
