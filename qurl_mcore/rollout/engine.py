@@ -9,13 +9,18 @@ A weight push is one SGLang 0.5.23 update session:
   end_weight_update            quantized layers re-quantize (qurl_mcore.quant, as the trainer)
   update_weight_version        the engine tags every later response with `version`
 and is verified by reading the version back.
+
+In the disaggregated layout (engines on other hosts) the same session receives the tensors by broadcast
+instead: the engine joins a torch.distributed group with the trainer's rank 0 (`join_weight_group`), and
+`receive_weights` runs `update_weights_from_distributed` per bucket while the trainer broadcasts them
+(`qurl_mcore.rollout.broadcast.WeightSender`, which also has the helpers that run both sides together).
 """
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator, Sequence
 
 from .buckets import NamedTensor, buckets
 from .config import EngineConfig
@@ -36,6 +41,30 @@ def _moe_shape(model_path: str) -> tuple[int, int] | None:
     return (config["num_hidden_layers"], top_k) if top_k else None
 
 
+#: one bucket of a broadcast push: (HF name, torch dtype name without "torch.", shape) per tensor, in the
+#: order the sender broadcasts them
+BucketSpec = Sequence[tuple[str, str, Sequence[int]]]
+
+
+def _dtype_name(dtype: Any) -> str:
+    """"bfloat16" for torch.bfloat16 or "torch.bfloat16" or "bfloat16" (SGLang takes the bare name)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _checkpoint_shapes(model_path: str) -> dict[str, list[int]] | None:
+    """HF tensor name -> shape from the safetensors headers of a checkpoint (no tensor data is read); None
+    when the directory holds no safetensors files."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), "pt") as handle:
+            for name in handle.keys():
+                shapes[name] = list(handle.get_slice(name).get_shape())
+    return shapes if files else None
+
+
 def _check(result: Any, what: str) -> None:
     """SGLang answers control calls with (success, message) tuples or {"success": ...} dicts."""
     ok, message = (result.get("success"), result.get("message")) if isinstance(result, dict) else result[:2]
@@ -49,6 +78,7 @@ class RolloutEngine(ABC):
     def __init__(self, config: EngineConfig):
         self.config = config
         self._moe_shape = _moe_shape(config.model_path)
+        self._shapes: dict[str, list[int]] | None = None  # checkpoint tensor shapes, read on first use
 
     # -- transport, per engine kind ---------------------------------------------------------------------
     @abstractmethod
@@ -80,29 +110,112 @@ class RolloutEngine(ABC):
         outs = self._generate([list(ids) for ids in input_ids], dict(sampling or {}), extra)
         return [parse(out, ids, self._moe_shape) for out, ids in zip(outs, input_ids)]
 
-    def push_weights(self, named_tensors: Iterable[NamedTensor], version: str, *,
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-        """Load full-precision (HF-named) tensors into the engine as weight `version`, in buckets of at most
-        `bucket_bytes`; a subset of the weights is a valid (partial) update. Returns the number of buckets."""
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks of the engine: its ranks in a weight group."""
+        return int(self.config.extra.get("tp_size", 1))
+
+    def _update_session(self, call: str, updates: Iterable[dict], version: str) -> int:
+        """One SGLang update session: begin_weight_update, `call` with each kwargs of `updates` (one bucket
+        each; the last flushes the prefix cache), end_weight_update (re-quantization), then tag and verify
+        `version`. Returns the number of buckets.
+
+        The session is always closed, so the engine keeps serving. If it fails once a bucket has gone in,
+        the engine holds a mix of old and new weights and is tagged `incomplete:<version>`, so that no
+        later generation passes for either version."""
         _check(self._control("begin_weight_update"), "begin_weight_update")
         count = 0
         try:
             pending = None  # one bucket of lookahead, so that the last one is known and flushes the cache
-            for bucket in buckets(named_tensors, bucket_bytes):
+            for kwargs in updates:
                 if pending is not None:
-                    _check(self._control("update_weights_from_tensor", named_tensors=pending, flush_cache=False),
-                           "update_weights_from_tensor")
                     count += 1
-                pending = bucket
+                    _check(self._control(call, **pending, flush_cache=False), call)
+                pending = kwargs
             if pending is not None:
-                _check(self._control("update_weights_from_tensor", named_tensors=pending, flush_cache=True),
-                       "update_weights_from_tensor")
                 count += 1
-        finally:  # always close the session: the engine re-quantizes whatever it holds and keeps serving
+                _check(self._control(call, **pending, flush_cache=True), call)
+        except BaseException:
             _check(self._control("end_weight_update"), "end_weight_update")
+            if count:
+                self._control("update_weight_version", new_version=f"incomplete:{version}")
+            raise
+        _check(self._control("end_weight_update"), "end_weight_update")
         self._control("update_weight_version", new_version=str(version))
         self.check_version(version)
         return count
+
+    def push_weights(self, named_tensors: Iterable[NamedTensor], version: str, *,
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+        """Load full-precision (HF-named) tensors into the engine as weight `version`, in buckets of at most
+        `bucket_bytes`; a subset of the weights is a valid (partial) update. Returns the number of buckets."""
+        return self._update_session("update_weights_from_tensor",
+                                    ({"named_tensors": b} for b in buckets(named_tensors, bucket_bytes)), version)
+
+    # -- broadcast pushes (disaggregated layout) ---------------------------------------------------------
+    def join_weight_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str, backend: str) -> None:
+        """Join the torch.distributed group `group_name` (TCP rendezvous at master_addr:master_port) as ranks
+        rank_offset .. rank_offset + tp_size - 1 of `world_size`; the sender is rank 0. Blocks until every
+        member joins, so run it concurrently with `WeightSender.connect` and the other engines' joins."""
+        _check(self._control("init_weights_update_group", master_address=master_addr, master_port=int(master_port),
+                             rank_offset=int(rank_offset), world_size=int(world_size), group_name=group_name,
+                             backend=backend), "init_weights_update_group")
+
+    def check_specs(self, bucket_specs: Iterable[BucketSpec]) -> list[BucketSpec]:
+        """Validate a broadcast push before anything moves: every entry is (name, floating dtype, shape)
+        and -- when the engine's checkpoint directory holds safetensors -- every name is a checkpoint tensor
+        of that shape (SGLang would skip an unknown name silently). Returns the specs as a list; raises
+        WeightPushError naming the bad entries."""
+        return list(self._checked(bucket_specs))
+
+    def _checked(self, bucket_specs: Iterable[BucketSpec]) -> Iterator[BucketSpec]:
+        """The buckets of `bucket_specs` one by one, each validated before it is handed on."""
+        import torch
+
+        if self._shapes is None:
+            self._shapes = _checkpoint_shapes(self.config.model_path) or {}
+        for bucket in bucket_specs:
+            bucket, errors = list(bucket), []
+            for entry in bucket:
+                try:
+                    name, dtype, shape = entry
+                    ok_shape = all(isinstance(n, int) and n >= 0 for n in shape)
+                except (TypeError, ValueError):
+                    errors.append(f"{entry!r} is not (name, dtype, shape)")
+                    continue
+                torch_dtype = getattr(torch, _dtype_name(dtype), None)
+                if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+                    errors.append(f"{name}: dtype {dtype!r} is not a floating torch dtype")
+                if not ok_shape:
+                    errors.append(f"{name}: shape {shape!r} is not a list of sizes")
+                elif self._shapes and name not in self._shapes:
+                    errors.append(f"{name}: not a tensor of the checkpoint")
+                elif self._shapes and list(shape) != self._shapes[name]:
+                    errors.append(f"{name}: shape {list(shape)} != checkpoint {self._shapes[name]}")
+            if errors:
+                raise WeightPushError(f"bad broadcast spec ({len(errors)}): " + "; ".join(errors[:10]))
+            yield bucket
+
+    def receive_weights(self, bucket_specs: Iterable[BucketSpec], version: str, group_name: str) -> int:
+        """Receive a broadcast push over `group_name` as weight `version`: one update session with
+        `update_weights_from_distributed` per bucket spec (`WeightSender.specs` of the buckets sent). Each
+        call blocks until the sender broadcasts that bucket, so `WeightSender.send` of the same buckets must
+        run at the same time, in another thread or process (`broadcast.broadcast_weights` does both).
+
+        A list of specs is validated whole (`check_specs`) before the session opens, so a bad one raises
+        WeightPushError with the engine untouched and nothing received -- validate before starting the
+        sender, or it waits for receivers that never come. An iterator is consumed (and validated) bucket
+        by bucket, for streaming: a bad bucket then ends the session early, without a version. Returns the
+        number of buckets."""
+        specs = self.check_specs(bucket_specs) if isinstance(bucket_specs, Sequence) else self._checked(bucket_specs)
+        updates = ({"names": [e[0] for e in bucket], "dtypes": [_dtype_name(e[1]) for e in bucket],
+                    "shapes": [list(e[2]) for e in bucket], "group_name": group_name} for bucket in specs if bucket)
+        return self._update_session("update_weights_from_distributed", updates, version)
+
+    def leave_weight_group(self, group_name: str) -> None:
+        """Leave (destroy) the weight group on the engine side."""
+        _check(self._control("destroy_weights_update_group", group_name=group_name), "destroy_weights_update_group")
 
     def check_version(self, version: str) -> None:
         """Raise WeightPushError unless the engine reports serving `version`."""
