@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
@@ -230,6 +232,21 @@ def megatron_ready() -> Iterator[None]:
         yield
     finally:
         destroy_parallel()
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to file descriptor 1 (SGLang's processes log there) to 2 for the duration, so
+    that a command's stdout holds only its result."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def run_alignment(recipes: Iterable[str] | None = None, model_path: str | Path | None = None, *,

@@ -106,12 +106,13 @@ def _add_launch(sub) -> None:
 def _align(args: argparse.Namespace) -> int:
     import json
 
-    from .align import format_table, run_alignment
+    from .align import format_table, run_alignment, stdout_to_stderr
 
     recipes = [r for item in args.recipes for r in item.split(",") if r] if args.recipes else None
     try:
-        rows = run_alignment(recipes, args.model, scope=args.scope, fmt=args.fmt, prompts=args.prompts,
-                             max_new_tokens=args.max_new_tokens, seed=args.seed)
+        with stdout_to_stderr():  # engine logs to stderr, the result alone to stdout
+            rows = run_alignment(recipes, args.model, scope=args.scope, fmt=args.fmt, prompts=args.prompts,
+                                 max_new_tokens=args.max_new_tokens, seed=args.seed)
     except ValueError as err:
         print(f"qurl align: {err}")
         return 2

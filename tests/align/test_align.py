@@ -1,0 +1,153 @@
+"""`qurl align`: MoEResQ's Table 2 on the tiny Qwen3-MoE with real SGLang rollouts scored by real Megatron.
+
+One module-scoped run of all five recipes through the CLI (three engine starts, three Megatron models: the
+expensive part, shared by every assert below; a subprocess, so Megatron's process groups stay out of the
+test process). Scope "all" with MXFP4: on the tiny random model the experts-only scope moves only a token or
+two of layer-1 routing (docs/align.md), while quantized attention also perturbs the routers' inputs, which
+separates the recipes by wide margins.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from qurl_mcore import align
+from qurl_mcore.cli import main
+
+PROMPTS, NEW_TOKENS = 4, 24
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, dict]:
+    cmd = [sys.executable, "-m", "qurl_mcore", "align", "--scope", "all", "--fmt", "mxfp4", "--prompts",
+           str(PROMPTS), "--max-new-tokens", str(NEW_TOKENS), "--seed", "0", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout)  # engine logs went to stderr: stdout is the JSON alone
+    return {row["recipe"]: row for row in out}
+
+
+def test_every_recipe_reports_every_metric(rows):
+    assert list(rows) == list(align.RECIPES)
+    for name, row in rows.items():
+        assert (row["rollout"], row["training"]) == (align.RECIPES[name].rollout or "bf16", align.RECIPES[name].training)
+        assert (row["scope"], row["fmt"]) == ("all", "mxfp4")
+        # sampled to the full length unless EOS came first; the tiny model has 2 MoE layers
+        assert PROMPTS <= row["tokens"] <= PROMPTS * NEW_TOKENS
+        assert len(row["topk_match_by_layer"]) == 2
+        assert 0 <= row["topk_match_frac"] <= row["topk_overlap_mean"] <= 1
+        assert -1 <= row["pcc"] <= 1 and row["mean_abs_logprob_diff"] >= 0
+    # recipes sharing a rollout method score the same sampled responses
+    assert rows["fp4"]["tokens"] == rows["rc_training"]["tokens"]
+    assert rows["rc_rollout"]["tokens"] == rows["rc_both"]["tokens"]
+
+
+def test_bf16_sides_agree(rows):
+    """Unquantized, fp32 on both sides: the same routing for every response token and near-equal
+    log-probs. This also checks the position pairing: off by one, the routes would not match."""
+    bf16 = rows["bf16"]
+    assert bf16["topk_match_frac"] >= 0.99 and bf16["topk_overlap_mean"] >= 0.99
+    assert bf16["pcc"] > 0.999
+    assert bf16["mean_abs_logprob_diff"] < 1e-3
+
+
+def test_symmetric_rc_restores_alignment(rows):
+    """MoEResQ's claim: RC on both sides aligns better than naive FP4 on every metric, near the bf16 level."""
+    both, fp4 = rows["rc_both"], rows["fp4"]
+    assert both["topk_match_frac"] > fp4["topk_match_frac"]
+    assert both["topk_overlap_mean"] > fp4["topk_overlap_mean"]
+    assert both["pcc"] > fp4["pcc"] and both["pcc"] > 0.99
+    assert both["mean_abs_logprob_diff"] < fp4["mean_abs_logprob_diff"]
+    assert both["topk_match_frac"] >= 0.95
+
+
+def test_one_sided_rc_misaligns(rows):
+    """RC on only one side leaves the two policies further apart than RC on both (Table 2's asymmetric rows)."""
+    both = rows["rc_both"]
+    for name in ("rc_rollout", "rc_training"):
+        one = rows[name]
+        assert one["topk_match_frac"] < both["topk_match_frac"] - 0.05, name
+        assert one["pcc"] < both["pcc"], name
+        assert one["mean_abs_logprob_diff"] > 3 * both["mean_abs_logprob_diff"], name
+
+
+# -- units: no engine, no Megatron ---------------------------------------------------------------------------
+
+def test_recipe_validation():
+    assert align.check_recipes(None) == list(align.RECIPES)
+    assert align.check_recipes(["rc_both", "bf16", "rc_both"]) == ["rc_both", "bf16"]
+    with pytest.raises(ValueError, match=r"unknown alignment recipe\(s\) \['fp8'\]; use any of \['bf16'"):
+        align.check_recipes(["bf16", "fp8"])
+    with pytest.raises(ValueError, match="no recipes"):
+        align.check_recipes([])
+
+
+def test_recipes_name_real_engine_methods_and_training_recipes():
+    from qurl_mcore.megatron.recipes import RECIPES as TRAINING
+    from qurl_mcore.sglang.options import METHODS
+
+    for recipe in align.RECIPES.values():
+        assert recipe.rollout is None or recipe.rollout in METHODS
+        assert recipe.training in TRAINING
+    rc = {name for name, r in align.RECIPES.items() if r.rollout == "qurl_fp4_rc"}
+    assert rc == {"rc_rollout", "rc_both"}
+    assert {n for n, r in align.RECIPES.items() if r.training == "fp4_rc"} == {"rc_training", "rc_both"}
+
+
+def test_engine_config_quantizes_the_same_linears_as_the_trainer():
+    config = align.engine_config("qurl_fp4_rc", "/m", scope="experts", fmt="mxfp4", seed=3)
+    opts = config.options()
+    assert (opts.method, opts.fmt, opts.scope) == ("qurl_fp4_rc", "mxfp4", "experts")
+    assert config.return_routed_experts and config.dtype == "float32" and config.random_seed == 3
+    assert align.engine_config(None, "/m").options() is None
+
+
+def test_bad_options_fail_before_any_engine_starts(tmp_path):
+    from qurl_mcore.models.tiny import tiny_checkpoint
+
+    with pytest.raises(ValueError, match="unknown scope"):
+        align.run_alignment(["bf16"], scope="attention")
+    with pytest.raises(ValueError, match="unknown FP4 format"):
+        align.run_alignment(["bf16"], fmt="hif4")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        align.run_alignment(["bf16"], max_new_tokens=0)
+    with pytest.raises(ValueError, match="needs a Qwen3-MoE"):
+        align.run_alignment(["bf16"], tiny_checkpoint("qwen3"))
+    with pytest.raises(ValueError, match="prompts must be between 1 and 8"):
+        align.run_alignment(["bf16"], prompts=9)
+
+
+def test_prompts_use_the_checkpoint_tokenizer():
+    ids = align.prompt_ids(str(align.default_model()), 3)
+    assert len(ids) == 3 and all(len(p) > 2 for p in ids) and ids[0] != ids[1]
+
+
+def _row(recipe, **metrics):
+    r = align.RECIPES[recipe]
+    return {"recipe": recipe, "rollout": r.rollout or "bf16", "training": r.training, "tokens": 96,
+            "scope": "experts", "fmt": "nvfp4", **metrics}
+
+
+def test_format_table():
+    rows = [_row("bf16", pcc=1.0, topk_match_frac=1.0, topk_overlap_mean=1.0, mean_abs_logprob_diff=0.0),
+            _row("rc_both", pcc=0.99987654, topk_match_frac=0.96875, topk_overlap_mean=0.984375,
+                 mean_abs_logprob_diff=0.00123)]
+    lines = align.format_table(rows).splitlines()
+    assert lines[0] == "| recipe | rollout | training | tokens | PCC | top-k match | top-k overlap | mean |Δ logp| |"
+    assert lines[1] == "|---|---|---|---|---|---|---|---|"
+    assert lines[2] == "| bf16 | bf16 | bf16 | 96 | 1.0000 | 1.0000 | 1.0000 | 0.0000 |"
+    assert lines[3] == "| rc_both | qurl_fp4_rc | fp4_rc | 96 | 0.9999 | 0.9688 | 0.9844 | 0.0012 |"
+    assert lines[-1] == "scope experts, fmt nvfp4"
+    with pytest.raises(ValueError, match="lacks"):
+        align.format_table([_row("fp4", pcc=1.0)])
+    with pytest.raises(ValueError, match="no rows"):
+        align.format_table([])
+
+
+def test_cli_rejects_an_unknown_recipe(capsys):
+    assert main(["align", "--recipes", "bf16,rc_both", "nope"]) == 2
+    out = capsys.readouterr().out
+    assert "qurl align: unknown alignment recipe(s) ['nope']" in out
