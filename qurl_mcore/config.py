@@ -25,8 +25,10 @@ class DataConfig:
     prompt_key: str = "question"
     answer_key: str = "answer"
     reward: Literal["math", "first_number"] = "first_number"
+    system_prompt: str = ""  # prepended to every prompt when set
     prompts_per_step: int = 8
     num_prompts: int = 512  # size of the generated set for task "addition"
+    max_operand: int = 9  # task "addition": operands 0..max_operand
 
 
 @dataclass
@@ -38,8 +40,14 @@ class RolloutConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1  # -1: the whole vocabulary
     engines: int = 1
     tp_size: int = 1
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    context_length: int = 2048
+    max_total_tokens: int = 0  # KV-cache size per engine; 0: SGLang sizes it from free memory
+    push_bucket_mb: int = 512  # bound on one weight-push bucket
+    restart_attempts: int = 2  # per step: restart a crashed engine (with the latest weights) and retry
 
 
 @dataclass
@@ -47,6 +55,8 @@ class TrainConfig:
     recipe: Literal["bf16", "fp8", "fp4", "fp4_rc", "rc_inference", "rc_training"] = "bf16"
     tp_size: int = 1
     ep_size: int = 1
+    dp_size: int = 1
+    threads: int = 0  # torch CPU threads per trainer rank; 0 leaves torch's default
     lr: float = 1e-6
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -81,6 +91,8 @@ class CheckpointConfig:
 class LoggingConfig:
     dir: str = "runs/demo/logs"
     wandb_project: str = ""  # empty: no Weights & Biases
+    update_capture: bool = True  # uaq/update_capture per step (INT8/FP8 rollout): one extra quantization pass
+    progress: bool = True  # a progress bar on stderr
 
 
 @dataclass
@@ -103,6 +115,7 @@ class ConfigError(ValueError):
 
 _POSITIVE = {"data.prompts_per_step", "data.num_prompts", "rollout.samples_per_prompt", "rollout.max_new_tokens",
              "rollout.engines", "rollout.tp_size", "train.tp_size", "train.ep_size", "train.micro_batch_size",
+             "train.dp_size", "rollout.context_length", "rollout.push_bucket_mb", "data.max_operand",
              "checkpoint.every", "checkpoint.keep", "steps", "train.lr", "uaq.scale"}
 
 
@@ -186,6 +199,16 @@ def _semantic_checks(cfg: Config, errors: list[str]) -> None:
         errors.append("rollout.temperature must be >= 0 and rollout.top_p in (0, 1]")
     if cfg.train.tis_cap < 1:
         errors.append(f"train.tis_cap: must be >= 1, got {cfg.train.tis_cap}")
+    world = cfg.train.tp_size * cfg.train.dp_size
+    if world % cfg.train.ep_size:
+        errors.append(f"train.ep_size: {cfg.train.ep_size} must divide the trainer's world size tp_size x dp_size "
+                      f"= {world}")
+    if cfg.rollout.restart_attempts < 0 or cfg.train.threads < 0 or cfg.rollout.max_total_tokens < 0:
+        errors.append("rollout.restart_attempts, rollout.max_total_tokens and train.threads must be >= 0")
+    if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
+        errors.append(f"rollout.top_k: -1 (off) or a positive count, got {cfg.rollout.top_k}")
+    if cfg.train.entropy_coef and cfg.train.tp_size > 1:
+        errors.append("train.entropy_coef: the entropy bonus needs the full vocabulary on a rank; use tp_size=1")
     if cfg.uaq.enabled and cfg.rollout.precision not in ("int8", "fp8"):
         errors.append(f"uaq.enabled: UAQ targets INT8/FP8 rollout, not {cfg.rollout.precision!r}; "
                       "set uaq.enabled=false")

@@ -21,11 +21,13 @@ from torch import Tensor
 class TokenLogProbs:
     """`logprobs` [b, s] (0 where `mask` is False); `mask` [b, s]: positions with a log-prob (a token that
     follows another of its sequence); `routed_experts` [moe layers, b, s, top-k] global expert ids by
-    descending router probability (MoE, if asked; -1 at padding), else None."""
+    descending router probability (MoE, if asked; -1 at padding), else None; `entropy` [b, s] the entropy of
+    the tempered next-token distribution that scored position t (if asked; 0 where `mask` is False)."""
 
     logprobs: Tensor
     mask: Tensor
     routed_experts: Tensor | None = None
+    entropy: Tensor | None = None
 
 
 def segments(attention_mask: Tensor | None, segment_ids: Tensor | None, shape: torch.Size) -> Tensor:
@@ -92,11 +94,14 @@ def token_logprobs(
     temperature: float = 1.0,
     grad: bool = False,
     return_routed_experts: bool = False,
+    return_entropy: bool = False,
 ) -> TokenLogProbs:
     """Log-probs of `input_ids` [b, s] under `model` (π_prox with grad=False, π_θ with grad=True).
 
     Under TP every rank passes the same batch and gets the same result; with sequence parallelism s must be
-    divisible by TP. `temperature` divides the logits as the rollout engine's sampler does."""
+    divisible by TP. `temperature` divides the logits as the rollout engine's sampler does. `return_entropy`
+    adds H_t = −Σ_v p_v log p_v of p = softmax(z[t-1]/T) (differentiable; needs the full vocabulary on one rank,
+    i.e. TP = 1)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     b, s = input_ids.shape
@@ -113,15 +118,24 @@ def token_logprobs(
                 lp = -nll.t()
             else:
                 lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+            if return_entropy:
+                if model.parallel_output and logits.shape[-1] != model.vocab_size:
+                    raise NotImplementedError("per-token entropy with a vocab-sharded output layer (TP > 1); "
+                                              "set the entropy coefficient to 0 or use TP = 1")
+                log_p = torch.log_softmax(logits, dim=-1)
+                ent = -(log_p.exp() * log_p).sum(-1)
     finally:
         if recorder is not None:
             recorder.close()
     valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] >= 0)
     logprobs = torch.cat([torch.zeros(b, 1, dtype=lp.dtype), torch.where(valid, lp, 0.0)], dim=1)
     mask = torch.cat([torch.zeros(b, 1, dtype=torch.bool), valid], dim=1)
+    entropy = None
+    if return_entropy:
+        entropy = torch.cat([torch.zeros(b, 1, dtype=ent.dtype), torch.where(valid, ent, 0.0)], dim=1)
     routes = None
     if recorder is not None:
         if not recorder.routes:
             raise ValueError("return_routed_experts=True but the model has no MoE router")
         routes = recorder.gathered(b, model).masked_fill((seg < 0)[None, :, :, None], -1)
-    return TokenLogProbs(logprobs, mask, routes)
+    return TokenLogProbs(logprobs, mask, routes, entropy)

@@ -110,13 +110,14 @@ class HttpEngine(RolloutEngine):
         keep it; an attached server keeps running."""
         if self.process is None:
             return
-        if self.process.poll() is None:
+        try:  # the whole group, even when the server itself already died: its workers may live on
             os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=30)
+            self.process.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
         if self.log_path and not keep_log:
             os.unlink(self.log_path)
             self.log_path = None

@@ -1,0 +1,108 @@
+"""Ray placement of the loop's actors: the trainer group (one actor per Megatron rank), one `EngineHost` per
+SGLang engine, and the `RolloutManager`.
+
+Layouts (placement groups, strategy PACK so a group fills nodes in order):
+  colocated       one bundle per trainer rank ({GPU: 1} on GPUs); trainer rank i and engine host i share
+                  bundle i, each with half a device: engines sleep while the trainer steps and vice versa.
+                  Engines have TP = 1 here (one per trainer rank). Weights go to the engines as tensors.
+  disaggregated   trainer bundles as above on `qurl_train` nodes, plus one bundle of rollout.tp_size devices
+                  per engine on `qurl_rollout` nodes.
+Nodes started by `launch/ray_cluster.sh` / the Slurm job carry the custom resources `qurl_train` and
+`qurl_rollout`; bundles ask for a sliver of them so they land on the right nodes. A cluster without these
+tags (e.g. a plain `ray start`) places bundles anywhere. On CPU, a bundle is one CPU.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from qurl_mcore.config import Config
+
+_SLIVER = 0.001  # of a node tag: any number of bundles fit on a tagged node
+
+
+@dataclass
+class Placement:
+    """Bundles and who goes where: `trainer[i]`/`engines[j]` are bundle indices, `share` the device (or CPU)
+    fraction each actor takes inside its bundle."""
+
+    bundles: list[dict[str, float]]
+    trainer: list[int]
+    engines: list[int]
+    share: float
+    device: str  # "GPU" or "CPU"
+
+
+def plan(cfg: Config, use_gpu: bool, tags: set[str] = frozenset()) -> Placement:
+    """The placement of `cfg` on a cluster with (`use_gpu`) or without GPUs; `tags` are the node resources
+    present (`qurl_train`, `qurl_rollout`)."""
+    world = cfg.train.tp_size * cfg.train.dp_size
+    device = "GPU" if use_gpu else "CPU"
+
+    def bundle(devices: int, tag: str) -> dict[str, float]:
+        out = {device: float(devices)}
+        if use_gpu:
+            out["CPU"] = 1.0
+        if tag in tags:
+            out[tag] = _SLIVER
+        return out
+
+    if cfg.layout == "colocated":
+        if use_gpu and cfg.rollout.tp_size != 1:
+            raise ValueError("colocated layout: engines share one device with one trainer rank, so rollout.tp_size "
+                             "must be 1 (use layout=disaggregated for multi-device engines)")
+        if cfg.rollout.engines > world:
+            raise ValueError(f"colocated layout: rollout.engines={cfg.rollout.engines} exceeds the {world} trainer "
+                             "bundles it can share; lower it or use layout=disaggregated")
+        bundles = [bundle(1, "qurl_train") | ({"qurl_rollout": _SLIVER} if "qurl_rollout" in tags else {})
+                   for _ in range(world)]
+        return Placement(bundles, list(range(world)), list(range(cfg.rollout.engines)), 0.5, device)
+    bundles = [bundle(1, "qurl_train") for _ in range(world)]
+    bundles += [bundle(cfg.rollout.tp_size if use_gpu else 1, "qurl_rollout") for _ in range(cfg.rollout.engines)]
+    return Placement(bundles, list(range(world)), list(range(world, world + cfg.rollout.engines)), 1.0, device)
+
+
+def _options(placement: Placement, pg, index: int, devices: float, threads: int) -> dict[str, Any]:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    opts: dict[str, Any] = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=index)}
+    if placement.device == "GPU":
+        opts.update(num_gpus=devices, num_cpus=0)
+    else:
+        # Ray would pin OMP_NUM_THREADS to the fractional CPU count (1); phases alternate, so each may use all
+        opts.update(num_cpus=devices, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+    return opts
+
+
+def start_actors(cfg: Config, model_path: str):
+    """Create the placement group, the trainer group, the engine hosts and the rollout manager.
+    Returns (trainers, hosts, manager, placement group). Engines start in parallel with the trainers."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from qurl_mcore.megatron.parallel import free_port
+
+    from .rollout import EngineHost, RolloutManager, engine_config
+    from .trainer import PolicyTrainer
+
+    resources = ray.cluster_resources()
+    use_gpu = resources.get("GPU", 0) > 0
+    placement = plan(cfg, use_gpu, {t for t in ("qurl_train", "qurl_rollout") if t in resources})
+    pg = placement_group(placement.bundles, strategy="PACK")
+    ray.get(pg.ready(), timeout=600)
+    threads = cfg.train.threads or os.cpu_count() or 1
+    world = len(placement.trainer)
+    engine_devices = placement.share * (cfg.rollout.tp_size if use_gpu and cfg.layout == "disaggregated" else 1)
+    config = engine_config(cfg, model_path, "cuda" if use_gpu else "cpu")
+    hosts = [ray.remote(EngineHost).options(**_options(placement, pg, b, engine_devices, threads)).remote(config)
+             for b in placement.engines]
+    # rank 0 hosts the rendezvous: ask its bundle for its node's address
+    master = ray.get(ray.remote(ray.util.get_node_ip_address).options(
+        **_options(placement, pg, placement.trainer[0], 0, threads)).remote())
+    port = free_port()
+    trainers = [ray.remote(PolicyTrainer).options(**_options(placement, pg, b, placement.share, threads)).remote(
+        cfg, rank, world, master, port) for rank, b in enumerate(placement.trainer)]
+    manager = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, model_path, hosts)
+    return trainers, hosts, manager, pg

@@ -1,0 +1,115 @@
+"""Loop pieces without engines: prompt order, advantages and dynamic sampling, actor placement, the engine
+configuration of each rollout precision, and the config checks the loop relies on."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qurl_mcore.config import ConfigError, load_config
+from qurl_mcore.loop.actors import plan
+from qurl_mcore.loop.batch import Sample
+from qurl_mcore.loop.driver import advantages
+from qurl_mcore.loop.rollout import EngineFailure, engine_config, engine_quantization, prompt_indices
+
+
+def test_prompt_order_is_a_permutation_per_epoch_and_a_function_of_the_step():
+    n, per_step = 10, 4
+    stream = [i for step in range(5) for i in prompt_indices(n, step, per_step, seed=3)]  # 2 epochs
+    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:20]) == list(range(10))
+    assert stream[:10] != stream[10:20]  # each epoch reshuffled
+    assert prompt_indices(n, 3, per_step, seed=3) == stream[12:16]  # resuming at step 3 takes the same prompts
+    assert prompt_indices(n, 0, per_step, seed=4) != prompt_indices(n, 0, per_step, seed=3)
+
+
+def _samples(rewards: list[float]) -> list[Sample]:
+    return [Sample([1], [2], [-0.5], reward=r, group=i // 2) for i, r in enumerate(rewards)]
+
+
+def test_advantages_grpo_and_dynamic_sampling():
+    cfg = load_config(None, ["rollout.samples_per_prompt=2", "train.advantage=grpo"])
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    kept, adv, metrics = advantages(cfg, _samples(rewards))
+    assert len(kept) == 6 and metrics["rollout/groups_with_signal"] == pytest.approx(2 / 3)
+    # n = 2, Bessel std of {1, 0} is 1/sqrt(2): A = ±0.5·sqrt(2)
+    assert torch.allclose(adv, torch.tensor([1, -1, 0, 0, -1, 1]) * 2 ** -0.5, atol=1e-5)
+    cfg = load_config(None, ["rollout.samples_per_prompt=2", "train.dynamic_sampling=true"])
+    kept, adv, _ = advantages(cfg, _samples(rewards))
+    assert [s.reward for s in kept] == [1.0, 0.0, 0.0, 1.0] and adv.shape == (4,)
+    kept, adv, _ = advantages(cfg, _samples([1.0, 1.0]))
+    assert kept == [] and adv.numel() == 0
+
+
+def test_advantages_rloo():
+    cfg = load_config(None, ["rollout.samples_per_prompt=3", "train.advantage=rloo"])
+    _, adv, _ = advantages(cfg, _samples([1.0, 0.0, 0.0]))
+    assert torch.allclose(adv, torch.tensor([1.0, -0.5, -0.5]))
+
+
+def test_placement_colocated_shares_trainer_bundles():
+    cfg = load_config(None, ["train.tp_size=2", "train.dp_size=2", "rollout.engines=4"])
+    p = plan(cfg, use_gpu=True, tags={"qurl_train", "qurl_rollout"})
+    assert len(p.bundles) == 4 and p.trainer == [0, 1, 2, 3] and p.engines == [0, 1, 2, 3] and p.share == 0.5
+    assert p.bundles[0] == {"GPU": 1.0, "CPU": 1.0, "qurl_train": 0.001, "qurl_rollout": 0.001}
+    cpu = plan(load_config(None), use_gpu=False)
+    assert cpu.bundles == [{"CPU": 1.0}] and cpu.device == "CPU"
+
+
+def test_placement_disaggregated_gives_engines_their_own_devices():
+    cfg = load_config(None, ["layout=disaggregated", "train.tp_size=8", "rollout.engines=2", "rollout.tp_size=4"])
+    p = plan(cfg, use_gpu=True, tags={"qurl_train", "qurl_rollout"})
+    assert p.trainer == list(range(8)) and p.engines == [8, 9] and p.share == 1.0
+    assert p.bundles[8] == {"GPU": 4.0, "CPU": 1.0, "qurl_rollout": 0.001}
+    assert "qurl_rollout" not in p.bundles[0]
+
+
+def test_placement_errors_name_the_fix():
+    with pytest.raises(ValueError, match="rollout.tp_size must be 1"):
+        plan(load_config(None, ["rollout.tp_size=2"]), use_gpu=True)
+    with pytest.raises(ValueError, match="exceeds the 1 trainer"):
+        plan(load_config(None, ["rollout.engines=2"]), use_gpu=False)
+
+
+@pytest.mark.parametrize("precision,method,options", [
+    ("bf16", None, {}),
+    ("int8", "qurl_int8", {"scope": "all"}),
+    ("fp8", "qurl_fp8", {"scope": "all"}),
+    ("fp4", "qurl_fp4", {"fmt": "nvfp4", "scope": "experts"}),
+    ("fp4_rc", "qurl_fp4_rc", {"fmt": "mxfp4", "scope": "experts"}),
+])
+def test_engine_quantization_per_precision(precision, method, options):
+    over = [f"rollout.precision={precision}", "uaq.enabled=false"]
+    if precision.startswith("fp4"):
+        over += ["rollout.scope=experts", f"rollout.fp4_format={options['fmt']}"]
+    cfg = load_config(None, over)
+    assert engine_quantization(cfg) == (method, options)
+    config = engine_config(cfg, "/models/x", "cpu")
+    config.options()  # the plugin accepts the options
+    assert config.quantization == method and config.device == "cpu"
+
+
+def test_engine_failure_survives_pickling():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(EngineFailure(2, "ConnectionError: refused")))
+    assert err.index == 2 and "engine 2 failed: ConnectionError" in str(err)
+
+
+def test_loop_config_checks():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.ep_size=3", "train.tp_size=2", "rollout.top_k=0", "train.entropy_coef=0.1"])
+    text = str(info.value)
+    assert "train.ep_size: 3 must divide" in text and "rollout.top_k" in text and "entropy" in text
+
+
+@pytest.mark.parametrize("name", ["cpu_demo", "gsm8k_ppo_qwen2.5_0.5b_int8", "dapo_qwen2.5_7b_math_int8",
+                                  "deepscaler_grpo_1.5b_int8", "grpo_32b_int8", "grpo_qwen3_30b_a3b_fp4_rc"])
+def test_shipped_configs_load_and_place(name, tmp_path):
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "launch" / "configs" / f"{name}.yaml"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"question": "1+1", "answer": "2"}\n')
+    cfg = load_config(path, [] if name == "cpu_demo" else [f"data.path={prompts}"])
+    p = plan(cfg, use_gpu=name != "cpu_demo", tags={"qurl_train", "qurl_rollout"})
+    assert len(p.trainer) == cfg.train.tp_size * cfg.train.dp_size
+    assert len(p.engines) == cfg.rollout.engines
