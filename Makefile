@@ -2,7 +2,7 @@
 .PHONY: run test bench setup
 run:
 	bash launch/setup_env.sh
-	.venv/bin/qurl quant-report
+	.venv/bin/qurl train --config launch/configs/cpu_demo.yaml
 test:
 	bash launch/setup_env.sh --with-test
 	.venv/bin/python -m pytest -q tests

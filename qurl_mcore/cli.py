@@ -21,6 +21,22 @@ def _prepare_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"qurl train: {err}")
+        return 2
+    from .loop.driver import run
+
+    result = run(cfg, address=args.address)
+    print(f"qurl train: {result.steps_done}/{cfg.steps} steps; metrics {result.log_dir / 'metrics.jsonl'}"
+          + (f"; report {result.report}" if result.report else ""))
+    return 0
+
+
 def _patch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -145,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     rep.set_defaults(func=_quant_report)
     prep = sub.add_parser("prepare-models", help="convert/generate the cached test and demo checkpoints")
     prep.set_defaults(func=_prepare_models)
+    tr = sub.add_parser("train", help="run the QuRL loop: SGLang rollout, Megatron training, weights back each step")
+    tr.add_argument("--config", help="the run's YAML file (launch/configs/*.yaml); defaults apply without one")
+    tr.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
+    tr.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-6 rollout.precision=fp8")
+    tr.set_defaults(func=_train)
     pat = sub.add_parser("patch", help="pinned source patch sets for installed packages (docs/patches.md)")
     pat.add_argument("action", choices=["apply", "check", "revert", "status"],
                      help="check exits 1 unless every pinned patch is applied")
