@@ -16,6 +16,7 @@ prompt order is a function of the step), and pushes the weights before the first
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -192,6 +193,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     from .checkpoint import StopRequest
 
     owns_ray = not ray.is_initialized()
+    address = address or os.environ.get("RAY_ADDRESS")  # an existing cluster brings its own node tags
     if owns_ray:
         ray.init(address=address, resources=None if address else {"qurl_train": 1, "qurl_rollout": 1},
                  log_to_driver=True, include_dashboard=False)
