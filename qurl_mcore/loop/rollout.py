@@ -139,9 +139,10 @@ class RolloutManager:
         n = self.cfg.rollout.samples_per_prompt
         chosen = prompt_indices(len(self.examples), step, self.cfg.data.prompts_per_step, self.cfg.seed)
         start = time.perf_counter()
-        # whole groups per engine, round robin
-        shares: list[list[int]] = [chosen[i::len(self.hosts)] for i in range(len(self.hosts))]
-        futures = [host.generate.remote([self.prompt_ids(j) for j in share for _ in range(n)], self.sampling())
+        # whole groups per engine, round robin over positions (a step across an epoch boundary may repeat a prompt)
+        shares: list[list[int]] = [list(range(i, len(chosen), len(self.hosts))) for i in range(len(self.hosts))]
+        futures = [host.generate.remote([self.prompt_ids(chosen[p]) for p in share for _ in range(n)],
+                                        self.sampling())
                    for host, share in zip(self.hosts, shares)]
         results: dict[int, list[Generation]] = {}
         for index, future in enumerate(futures):
@@ -150,9 +151,9 @@ class RolloutManager:
             except Exception as err:  # noqa: BLE001 - any transport/engine error means this engine must restart
                 raise EngineFailure(index, f"{type(err).__name__}: {err}"[:2000]) from None
         elapsed = time.perf_counter() - start
-        by_prompt = {j: gens[k * n:(k + 1) * n] for index, gens in results.items()
-                     for k, j in enumerate(shares[index])}
-        gens = [g for j in chosen for g in by_prompt[j]]
+        by_position = {p: gens[k * n:(k + 1) * n] for index, gens in results.items()
+                       for k, p in enumerate(shares[index])}
+        gens = [g for p in range(len(chosen)) for g in by_position[p]]
         answers = [self.examples[j].answer for j in chosen for _ in range(n)]
         rewards, stats = score_all(self.reward_fn, [g.text for g in gens], answers)
         samples = [Sample(g.prompt_ids, g.output_ids, g.output_logprobs, reward, group=k // n,
