@@ -8,13 +8,26 @@
 #   ray_cluster.sh wait   --address HOST:PORT --nodes N [--timeout SECONDS]
 #   ray_cluster.sh submit --address HOST:PORT [--dashboard-port P] [--working-dir DIR] -- COMMAND...
 #   ray_cluster.sh stop
+#   ray_cluster.sh auth-mode   (prints the RAY_AUTH_MODE every process of the cluster must share)
 #
 # head/worker block in the foreground (so srun keeps them alive) and stop Ray when they get SIGTERM.
 # Uses the `ray` and `python` found on PATH: activate the project's environment first.
 set -euo pipefail
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "ray_cluster.sh: $*" >&2; exit 1; }
+
+auth_mode() {
+  # `ray start --head` turns token auth on whenever a token exists (~/.ray/auth_token, e.g. left by any local
+  # ray.init), but a client whose RAY_AUTH_MODE is unset then connects without it and gets InvalidAuthToken.
+  # Pin one mode for every process: the caller's, else token when a token exists, else disabled.
+  if [[ -n "${RAY_AUTH_MODE:-}" ]]; then echo "$RAY_AUTH_MODE"
+  elif [[ -n "${RAY_AUTH_TOKEN:-}" || -n "${RAY_AUTH_TOKEN_PATH:-}" || -s "$HOME/.ray/auth_token" ]]; then echo token
+  else echo disabled
+  fi
+}
+RAY_AUTH_MODE=$(auth_mode)
+export RAY_AUTH_MODE
 
 cmd=${1:-}; [[ -n "$cmd" ]] || usage; shift
 port=6379 dashboard_port=8265 address="" nodes="" timeout=600 working_dir=""
@@ -89,6 +102,9 @@ PY
     ;;
   stop)
     ray stop --force
+    ;;
+  auth-mode)
+    echo "$RAY_AUTH_MODE"
     ;;
   *) usage ;;
 esac

@@ -4,8 +4,9 @@ One step:
   rollout     the engines sample n responses per prompt with the quantized actor → behaviour log-probs;
               rewards (a reward that raises scores 0 and is counted)
   advantages  GRPO or RLOO per prompt group; DAPO's dynamic sampling drops groups with equal rewards
-  train       Megatron: π_prox (and π_ref) log-probs with the current weights, the policy loss (ACR, ...),
-              one optimizer step (skipped, and reported, on a non-finite loss or gradient)
+  train       Megatron: the policy loss (ACR, ...) with π_prox read off the training forward (one optimizer
+              step per batch, so the pre-update weights are π_prox), π_ref when the KL term is on; the step
+              is skipped, and reported, on a non-finite loss or gradient
   push        the trainer's (UAQ-scaled) weights go to every engine, which re-quantizes them
   log         metrics.jsonl + TensorBoard (+ W&B); a checkpoint every `checkpoint.every` steps and on SIGTERM
 
@@ -195,7 +196,8 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     owns_ray = not ray.is_initialized()
     address = address or os.environ.get("RAY_ADDRESS")  # an existing cluster brings its own node tags
     if owns_ray:
-        ray.init(address=address, resources=None if address else {"qurl_train": 1, "qurl_rollout": 1},
+        # "local": never attach to a cluster some earlier `ray start` left behind on this machine
+        ray.init(address=address or "local", resources=None if address else {"qurl_train": 1, "qurl_rollout": 1},
                  log_to_driver=True, include_dashboard=False)
     stop = StopRequest()  # after ray.init, whose own SIGTERM handler would abort the driver
     torch.manual_seed(cfg.seed)
@@ -204,6 +206,8 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     try:
         loop.write_engines()
         step = loop.restore()
+        if step:
+            print(f"qurl train: resuming at step {step} from {cfg.checkpoint.dir}", file=sys.stderr)
         log.truncate(step)  # records of steps done after the checkpoint are redone
         loop.push(f"step-{step}")  # UAQ-scaled or resumed weights replace the checkpoint the engines loaded
         bar = _progress(cfg, step)

@@ -18,26 +18,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env():
+def _env(**extra):
     # the script uses `ray` and `python` from PATH: the test's own environment
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **extra}
+    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        env.pop(key, None)
+    return env
 
 
-def test_head_wait_and_clean_shutdown(tmp_path):
+@pytest.mark.parametrize("token", [False, True], ids=["no-token", "token-in-home"])
+def test_head_wait_and_clean_shutdown(tmp_path, token):
+    # A token in ~/.ray (any earlier local ray.init leaves one) turns the head's token auth on; the script must
+    # then make its clients use it too, and use no auth when there is none.
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    if token:
+        (home / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
+    env = _env(HOME=str(home))
+    mode = subprocess.run(["bash", str(SCRIPT), "auth-mode"], env=env, capture_output=True, text=True)
+    assert mode.stdout.strip() == ("token" if token else "disabled")
     port, dash = _free_port(), _free_port()
     head = subprocess.Popen(
         ["bash", str(SCRIPT), "head", "--port", str(port), "--dashboard-port", str(dash), "--num-cpus", "1",
          "--object-store-bytes", str(200 * 2**20), "--node-ip", "127.0.0.1", "--resources", '{"qurl_train": 1}'],
-        env=_env(), stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        env=env, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
         ready = subprocess.run(["bash", str(SCRIPT), "wait", "--address", f"127.0.0.1:{port}", "--nodes", "1",
-                                "--timeout", "120"], env=_env(), capture_output=True, text=True, timeout=180)
+                                "--timeout", "120"], env=env, capture_output=True, text=True, timeout=180)
         assert ready.returncode == 0, ready.stderr + (tmp_path / "head.log").read_text()
         assert "1/1 nodes up" in ready.stdout and "'qurl_train': 1.0" in ready.stdout
         # asking for more nodes than exist times out with an explanation
         short = subprocess.run(["bash", str(SCRIPT), "wait", "--address", f"127.0.0.1:{port}", "--nodes", "2",
-                                "--timeout", "3"], env=_env(), capture_output=True, text=True, timeout=120)
+                                "--timeout", "3"], env=env, capture_output=True, text=True, timeout=120)
         assert short.returncode != 0 and "only 1/2 nodes joined" in short.stderr
     finally:
         os.killpg(head.pid, signal.SIGTERM)  # what Slurm does when the step ends
