@@ -131,17 +131,17 @@ class PolicyTrainer:
 
     # -- the step -------------------------------------------------------------------------------------------
     def step(self, batch: TrainBatch) -> dict[str, float]:
-        """π_prox (and π_ref) log-probs with the current weights, then one optimizer step on the policy loss.
+        """One optimizer step on the policy loss. π_prox is the policy before this step's update: the batch
+        takes a single optimizer step, so π_prox equals the training forward's own log-probs (detached) and
+        costs no extra pass; π_ref (KL term on) is a no-grad pass of the frozen reference.
         Returns metrics; a non-finite loss or gradient skips the update (`train/skipped` = 1)."""
         t = self.cfg.train
         start = time.perf_counter()
         full = self._pad_width(batch)
         norm = _normaliser(full.response_mask, t.agg)
         local = full.select(slice(self.dp_rank, None, self.dp_size))
-        self.model.eval()  # no dropout anyway; eval keeps Megatron from building training-only state
-        prox = self._no_grad_logprobs(self.model, local)
         ref = self._no_grad_logprobs(self.ref, local) if self.ref is not None else None
-        t_prox = time.perf_counter()
+        t_ref = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -154,12 +154,13 @@ class PolicyTrainer:
             weight = _normaliser(mb.response_mask, t.agg) / norm
             if weight == 0:
                 continue
-            inputs = (out.logprobs, prox[rows], mb.behav_logprobs) + (() if ref is None else (ref[rows],))
+            prox = out.logprobs.detach()
+            inputs = (out.logprobs, mb.behav_logprobs) + (() if ref is None else (ref[rows],))
             if not all(torch.isfinite(x[mb.response_mask]).all() for x in inputs):
                 nonfinite = True  # e.g. an engine's -inf behaviour log-prob: skip the step, keep the run
                 break
             loss, metrics = policy_loss(
-                out.logprobs, prox[rows], mb.behav_logprobs, mb.advantages, mb.response_mask, method=t.loss,
+                out.logprobs, prox, mb.behav_logprobs, mb.advantages, mb.response_mask, method=t.loss,
                 eps_low=t.eps_low, eps_high=t.eps_high, tis_cap=t.tis_cap, agg=t.agg,
                 ref_logprobs=None if ref is None else ref[rows], kl_coef=t.kl_coef, kl_estimator=t.kl_estimator,
                 entropy=out.entropy, entropy_coef=t.entropy_coef)
@@ -190,7 +191,7 @@ class PolicyTrainer:
         tokens = float(full.attention_mask.sum())
         metrics.update({
             "train/grad_norm": grad_norm, "train/skipped": float(skipped), "train/lr": t.lr,
-            "time/prox_logprobs": t_prox - start, "time/train": end - t_prox,
+            "time/ref_logprobs": t_ref - start, "time/train": end - t_ref,
             "perf/train_tokens_per_s": tokens / max(end - start, 1e-9),
             "train/response_tokens": float(full.response_mask.sum()),
         })

@@ -62,7 +62,7 @@ def test_step_updates_and_reports(reference_update):
     assert metrics["train/skipped"] == 0.0 and metrics["train/grad_norm"] > 0
     assert any(not torch.equal(before[n], after[n]) for n in before)
     for key in ("loss/policy", "clip_frac/high", "is_ratio/mean", "mismatch/kl_k3", "mismatch/prob_pearson",
-                "perf/train_tokens_per_s", "time/prox_logprobs", "time/train"):
+                "perf/train_tokens_per_s", "time/ref_logprobs", "time/train"):
         assert key in metrics
     assert 0 < metrics["mismatch/abs_logprob_diff"] < 0.1  # the injected behaviour noise, seen through π_prox
 
@@ -135,3 +135,16 @@ def test_export_gives_hf_named_bf16_tensors_with_uaq_folded_in():
         assert exported[name].dtype == torch.bfloat16
         torch.testing.assert_close(exported[name].float(), uaq_scale_hf(name, tensor.float(), 1.5).bfloat16().float(),
                                    rtol=1e-2, atol=1e-6)
+
+
+def test_the_training_forward_is_pi_prox():
+    """A batch takes one optimizer step, so `step` reads π_prox off its own training forward: that forward must
+    equal a separate no-grad pass with the same weights, bit for bit."""
+    trainer = _trainer("train.micro_batch_size=8")
+    try:
+        batch = _batch(trainer)
+        trainer.model.train()
+        trained = trainer._logprobs(trainer.model, batch, grad=True).logprobs.detach()
+        assert torch.equal(trained, trainer._no_grad_logprobs(trainer.model, batch))
+    finally:
+        trainer.close()
