@@ -48,7 +48,10 @@ class EngineConfig:
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `sglang.Engine` (also the source of `server_argv`)."""
         kw: dict[str, Any] = dict(model_path=str(self.model_path), device=self.device, dtype=self.dtype,
-                                  random_seed=self.random_seed, log_level=self.log_level, skip_server_warmup=True)
+                                  random_seed=self.random_seed, log_level=self.log_level, skip_server_warmup=True,
+                                  # an idle scheduler otherwise spins one core at 100% (the trainer's core, when
+                                  # colocated); it wakes on the next request without delay
+                                  sleep_on_idle=True)
         for name in ("mem_fraction_static", "max_total_tokens", "context_length"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
