@@ -51,10 +51,12 @@ while [[ $# -gt 0 ]]; do
 done
 
 run_blocking() {
-  # `ray start --block` exits when its processes die; on SIGTERM (Slurm cancelling the step) stop Ray cleanly.
-  trap 'ray stop --force >/dev/null 2>&1 || true; exit 0' TERM INT
+  # `ray start --block` exits when its processes die. On SIGTERM (Slurm ending the step) pass the signal on: it
+  # stops the processes it started and no others (`ray stop` would stop every Ray node on the machine).
   ray start "$@" --block &
-  wait $!
+  ray_pid=$!
+  trap 'kill -TERM "$ray_pid" 2>/dev/null; wait "$ray_pid" || true; exit 0' TERM INT
+  wait "$ray_pid"
 }
 
 case "$cmd" in
