@@ -13,7 +13,7 @@ PANELS = [
     ("Clip fractions", ["clip_frac/low", "clip_frac/high"]),
     ("|log π_train − log π_rollout|", ["mismatch/abs_logprob_diff"]),
     ("Update capture (share of quantized weights changed)", ["uaq/update_capture"]),
-    ("Step time split (s)", ["time/rollout", "time/logprobs", "time/train", "time/weight_push"]),
+    ("Step time split (s)", ["time/rollout", "time/ref_logprobs", "time/train", "time/push"]),
 ]
 
 
