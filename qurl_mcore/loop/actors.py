@@ -6,7 +6,7 @@ Layouts (placement groups, strategy PACK so a group fills nodes in order):
                   bundle i, each with half a device: engines sleep while the trainer steps and vice versa.
                   Engines have TP = 1 here (one per trainer rank). Weights go to the engines as tensors.
   disaggregated   trainer bundles as above on `qurl_train` nodes, plus one bundle of rollout.tp_size devices
-                  per engine on `qurl_rollout` nodes.
+                  per engine on `qurl_rollout` nodes. Weights go to the engines by broadcast (driver.Loop).
 Nodes started by `launch/ray_cluster.sh` / the Slurm job carry the custom resources `qurl_train` and
 `qurl_rollout`; bundles ask for a sliver of them so they land on the right nodes. A cluster without these
 tags (e.g. a plain `ray start`) places bundles anywhere. On CPU, a bundle is one CPU.

@@ -62,6 +62,9 @@ def advantages(cfg: Config, samples: list[Sample]) -> tuple[list[Sample], torch.
     return samples, adv, metrics
 
 
+BROADCAST_TIMEOUT_S = 600.0  # how long a broadcast waits for a stalled peer before failing the push
+
+
 class Loop:
     """The actors of one run and the step sequence over them."""
 
@@ -76,15 +79,43 @@ class Loop:
         self.trainers, self.hosts, self.manager, self.pg = start_actors(cfg, self.model_path)
         self.ray = ray
         self.engine_restarts = 0
+        self.group: str | None = None  # the weight broadcast group (disaggregated layout)
+        self.groups_opened = 0
+        if cfg.layout == "disaggregated":
+            self.open_group()
 
     # -- weights and engine recovery ------------------------------------------------------------------------
+    def open_group(self) -> None:
+        """The disaggregated layout pushes by broadcast: the trainer's rank 0 and every engine's TP ranks
+        form one group (NCCL on GPUs, gloo on CPUs), hosted at rank 0's node."""
+        ray = self.ray
+        backend = "nccl" if ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
+        self.groups_opened += 1
+        self.group = f"qurl-weights-{self.groups_opened}"
+        addr, port = ray.get(self.trainers[0].rendezvous.remote())
+        ray.get(self.manager.open_group.remote(self.trainers[0], addr, port, self.group, backend,
+                                               BROADCAST_TIMEOUT_S))
+        print(f"qurl train: weights go to the engines by {backend} broadcast ({self.group} at {addr}:{port})",
+              file=sys.stderr)
+
+    def close_group(self) -> None:
+        if self.group is not None:
+            self.ray.get([self.manager.leave_group.remote(self.group), self.trainers[0].close_weight_group.remote()])
+            self.group = None
+
     def _push(self, version: str, only: list[int] | None = None) -> float:
-        """Export from every trainer rank (collective), hand rank 0's buckets to the engines."""
+        """Export from every trainer rank (collective), then rank 0's buckets go to the engines: through the
+        object store (colocated; only the engines in `only`, if given) or by broadcast (every engine)."""
         ray = self.ray
         start = time.perf_counter()
-        refs = [t.export.remote(self.cfg.rollout.push_bucket_mb << 20) for t in self.trainers]
-        done = self.manager.push.remote([refs[0]], version, only)
-        ray.get(refs[1:] + [done])
+        bucket_bytes = self.cfg.rollout.push_bucket_mb << 20
+        if self.group is not None:
+            specs = ray.get([t.stage_weights.remote(bucket_bytes) for t in self.trainers])[0]
+            ray.get(self.manager.broadcast.remote(self.trainers[0], specs, version, self.group))
+        else:
+            refs = [t.export.remote(bucket_bytes) for t in self.trainers]
+            done = self.manager.push.remote([refs[0]], version, only)
+            ray.get(refs[1:] + [done])
         return time.perf_counter() - start
 
     def recovering(self, action, version: str):
@@ -104,6 +135,9 @@ class Loop:
                 self.engine_restarts += 1
                 try:
                     self.ray.get(self.manager.restart.remote(failure.index))
+                    if self.group is not None:  # the new engine joins a new group with the others
+                        self.close_group()
+                        self.open_group()
                     self._push(version, only=[failure.index])
                 except Exception as again:  # noqa: BLE001 - counts as the next attempt's failure
                     print(f"qurl train: restarting engine {failure.index} failed: {again}", file=sys.stderr)

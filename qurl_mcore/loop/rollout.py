@@ -78,6 +78,20 @@ class EngineHost:
         return self.engine.push_weights((nt for bucket in named_buckets for nt in bucket), version,
                                         bucket_bytes=bucket_bytes)
 
+    # broadcast pushes (disaggregated layout): the engine's TP ranks follow the trainer's rank 0 in a group
+    def join_weight_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str, backend: str) -> None:
+        self.engine.join_weight_group(master_addr, master_port, rank_offset, world_size, group_name, backend)
+
+    def check_specs(self, specs: list) -> None:
+        self.engine.check_specs(specs)
+
+    def receive(self, specs: list, version: str, group_name: str) -> int:
+        return self.engine.receive_weights(specs, version, group_name)
+
+    def leave_weight_group(self, group_name: str) -> None:
+        self.engine.leave_weight_group(group_name)
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
@@ -134,25 +148,17 @@ class RolloutManager:
     def generate(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """Samples of `step`, group after group (n per prompt), with rewards. Raises EngineFailure naming the
         first engine that failed."""
-        import ray
-
         n = self.cfg.rollout.samples_per_prompt
         chosen = prompt_indices(len(self.examples), step, self.cfg.data.prompts_per_step, self.cfg.seed)
         start = time.perf_counter()
         # whole groups per engine, round robin over positions (a step across an epoch boundary may repeat a prompt)
         shares: list[list[int]] = [list(range(i, len(chosen), len(self.hosts))) for i in range(len(self.hosts))]
-        futures = [host.generate.remote([self.prompt_ids(chosen[p]) for p in share for _ in range(n)],
-                                        self.sampling())
-                   for host, share in zip(self.hosts, shares)]
-        results: dict[int, list[Generation]] = {}
-        for index, future in enumerate(futures):
-            try:
-                results[index] = ray.get(future)
-            except Exception as err:  # noqa: BLE001 - any transport/engine error means this engine must restart
-                raise EngineFailure(index, f"{type(err).__name__}: {err}"[:2000]) from None
+        results = self._gather({i: host.generate.remote([self.prompt_ids(chosen[p]) for p in share for _ in range(n)],
+                                                        self.sampling())
+                                for i, (host, share) in enumerate(zip(self.hosts, shares))})
         elapsed = time.perf_counter() - start
-        by_position = {p: gens[k * n:(k + 1) * n] for index, gens in results.items()
-                       for k, p in enumerate(shares[index])}
+        by_position = {p: gens[k * n:(k + 1) * n] for gens, share in zip(results, shares)
+                       for k, p in enumerate(share)}
         gens = [g for p in range(len(chosen)) for g in by_position[p]]
         answers = [self.examples[j].answer for j in chosen for _ in range(n)]
         rewards, stats = score_all(self.reward_fn, [g.text for g in gens], answers)
@@ -175,18 +181,60 @@ class RolloutManager:
         """Every engine (or those in `only`) loads the weights as `version` and re-quantizes them; returns the
         seconds taken. `buckets_ref` is [ObjectRef of the trainer's buckets]: wrapped, so that Ray hands the
         reference on to the hosts instead of copying the weights through this actor."""
-        import ray
-
         start = time.perf_counter()
         bucket_bytes = self.cfg.rollout.push_bucket_mb << 20
         chosen = range(len(self.hosts)) if only is None else only
-        futures = {i: self.hosts[i].push.remote(buckets_ref[0], version, bucket_bytes) for i in chosen}
+        self._gather({i: self.hosts[i].push.remote(buckets_ref[0], version, bucket_bytes) for i in chosen})
+        return time.perf_counter() - start
+
+    def open_group(self, sender, master_addr: str, master_port: int, group_name: str, backend: str,
+                   timeout: float) -> None:
+        """One weight group: the trainer's rank 0 (`sender`, an actor handle) as rank 0, then every engine's
+        TP ranks in engine order. Joins all at once (each blocks until the group is complete)."""
+        import ray
+
+        tp = self.cfg.rollout.tp_size
+        world = 1 + tp * len(self.hosts)
+        joins = {i: host.join_weight_group.remote(master_addr, master_port, 1 + i * tp, world, group_name, backend)
+                 for i, host in enumerate(self.hosts)}
+        created = sender.open_weight_group.remote(master_addr, master_port, world, group_name, backend, timeout)
+        self._gather(joins)
+        ray.get(created)
+
+    def leave_group(self, group_name: str) -> None:
+        """Every engine leaves the group (best effort: a restarted engine was never in it)."""
+        import ray
+
+        for host in self.hosts:
+            try:
+                ray.get(host.leave_weight_group.remote(group_name))
+            except Exception:  # noqa: BLE001 - the group is being replaced anyway
+                pass
+
+    def broadcast(self, sender, specs: list, version: str, group_name: str) -> float:
+        """A broadcast push of the buckets `sender` (the trainer's rank 0) has staged, described by `specs`:
+        every engine validates the specs first (a bad spec stops the push before anything moves), then
+        receives while the sender broadcasts. Returns the seconds taken."""
+        import ray
+
+        start = time.perf_counter()
+        ray.get([host.check_specs.remote(specs) for host in self.hosts])
+        sent = sender.send_weights.remote()
+        self._gather({i: host.receive.remote(specs, version, group_name) for i, host in enumerate(self.hosts)})
+        ray.get(sent)
+        return time.perf_counter() - start
+
+    def _gather(self, futures: dict[int, Any]) -> list:
+        """Results of the hosts' calls, in order; EngineFailure names the first engine that failed."""
+        import ray
+
+        out = []
         for index, future in futures.items():
             try:
-                ray.get(future)
-            except Exception as err:  # noqa: BLE001 - as in generate: the engine must restart
+                out.append(ray.get(future))
+            except Exception as err:  # noqa: BLE001 - any transport/engine error means this engine must restart
                 raise EngineFailure(index, f"{type(err).__name__}: {err}"[:2000]) from None
-        return time.perf_counter() - start
+        return out
 
     def restart(self, index: int) -> None:
         import ray

@@ -270,6 +270,40 @@ class PolicyTrainer:
         out = list(export_hf_weights(self.model, self.hf, bucket_bytes=bucket_bytes, dtype=getattr(torch, dtype)))
         return out if self.rank == 0 else None
 
+    # broadcast pushes (disaggregated layout): rank 0 is rank 0 of a weight group with every engine's TP ranks
+    def rendezvous(self) -> tuple[str, int]:
+        """An address of this rank's node and a free port there, for the weight group's TCP rendezvous."""
+        import ray
+
+        from qurl_mcore.megatron.parallel import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def open_weight_group(self, master_addr: str, master_port: int, world_size: int, group_name: str,
+                          backend: str, timeout: float) -> None:
+        """Rank 0 only: create the group as its rank 0 (blocks until every engine has joined)."""
+        from qurl_mcore.rollout.broadcast import WeightSender
+
+        self.sender = WeightSender.connect(world_size, master_addr, master_port, group_name, backend, timeout)
+
+    def stage_weights(self, bucket_bytes: int) -> list | None:
+        """Collective export (as `export`); rank 0 keeps the buckets for `send_weights` and returns their
+        specs, which the engines validate and receive by."""
+        from qurl_mcore.rollout.broadcast import WeightSender
+
+        self.staged = self.export(bucket_bytes)
+        return None if self.staged is None else WeightSender.specs(self.staged)
+
+    def send_weights(self) -> int:
+        """Rank 0: broadcast the staged buckets (the engines receive at the same time); returns their number."""
+        staged, self.staged = self.staged, None
+        return self.sender.send(staged)
+
+    def close_weight_group(self) -> None:
+        sender, self.sender = getattr(self, "sender", None), None
+        if sender is not None:
+            sender.close()
+
     # -- checkpoints --------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """This rank's model shards and optimizer state."""
@@ -283,4 +317,5 @@ class PolicyTrainer:
     def close(self) -> None:
         from qurl_mcore.megatron import destroy_parallel
 
+        self.close_weight_group()
         destroy_parallel()

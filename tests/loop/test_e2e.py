@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from qurl_mcore.loop.checkpoint import latest_checkpoint, read_rank
+from qurl_mcore.loop.report import PANELS
 
 TINY = ["data.prompts_per_step=2", "data.num_prompts=16", "rollout.samples_per_prompt=2",
         "rollout.max_new_tokens=6", "rollout.context_length=256", "rollout.max_total_tokens=2048",
@@ -86,6 +87,8 @@ def test_dense_loop_logs_every_metric_checkpoints_and_reports(dense_run):
     assert all(r["uaq/update_capture"] > 0 for r in records)  # every step moved some INT8 codes
     assert records[0]["mismatch/abs_logprob_diff"] > 0  # INT8 rollout vs full-precision trainer
     assert (dense_run / "logs" / "report.html").is_file()
+    plotted = {name for _, names in PANELS for name in names}
+    assert plotted <= set(records[0]), plotted - set(records[0])  # the report plots metrics the loop logs
     assert list((dense_run / "logs" / "tensorboard").iterdir())
     names = sorted(p.name for p in (dense_run / "ckpt").iterdir())
     assert names == ["step_00000002", "step_00000003"]  # keep=2
@@ -109,6 +112,22 @@ def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(dense_run, 
         assert torch.equal(resumed[name], reference[name]), name
     for got, want in zip(_metrics(tmp_path), _metrics(dense_run)):
         assert got["loss/total"] == want["loss/total"]
+
+
+def test_disaggregated_broadcast_push_matches_the_colocated_run(dense_run, tmp_path):
+    """Engines in their own bundles get the weights by gloo broadcast from the trainer's rank 0; the run is
+    the colocated one (object-store pushes) number for number, so the engines served identical weights."""
+    out = _train(tmp_path, "model.path=tiny-llama", "steps=2", "layout=disaggregated", *GREEDY)
+    assert "weights go to the engines by gloo broadcast" in out
+    got, want = _metrics(tmp_path), _metrics(dense_run)[:2]
+    assert [r["step"] for r in got] == [1, 2]
+    for a, b in zip(got, want):
+        for key in ("reward/mean", "mismatch/abs_logprob_diff", "loss/total"):
+            assert a[key] == b[key], key
+    (_, mine), (_, theirs) = (read_rank(run / "ckpt" / "step_00000002", 0) for run in (tmp_path, dense_run))
+    for name, value in theirs["model"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(mine["model"][name], value), name
 
 
 def test_killed_engine_is_replaced_and_the_run_finishes(tmp_path):
