@@ -17,6 +17,7 @@ from qurl_mcore.tasks import REWARDS, Example, addition_examples, load_examples,
 
 from .batch import Sample
 
+
 def engine_quantization(cfg: Config) -> tuple[str | None, dict[str, Any]]:
     """The SGLang quantization method and options of the configured rollout precision."""
     r = cfg.rollout
@@ -61,9 +62,6 @@ class EngineHost:
 
     def pid(self) -> int:
         return self.engine.process.pid
-
-    def alive(self) -> bool:
-        return self.engine is not None and self.engine.process.poll() is None
 
     def restart(self) -> str:
         """Stop what is left of the server and start a fresh one; it serves the checkpoint's weights until

@@ -106,6 +106,8 @@ class PolicyTrainer:
                                            betas=(0.9, 0.999), eps=1e-8)
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
+        self.sender = None  # rank 0 of the weight broadcast group (disaggregated layout)
+        self.staged: list | None = None  # buckets awaiting send_weights
 
     # -- log-probs ------------------------------------------------------------------------------------------
     def _pad_width(self, batch: TrainBatch) -> TrainBatch:
@@ -300,9 +302,9 @@ class PolicyTrainer:
         return self.sender.send(staged)
 
     def close_weight_group(self) -> None:
-        sender, self.sender = getattr(self, "sender", None), None
-        if sender is not None:
-            sender.close()
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
 
     # -- checkpoints --------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

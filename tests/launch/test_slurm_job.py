@@ -45,11 +45,15 @@ def sbatch(slurm):
         subprocess.run(["scancel", job_id], capture_output=True)
 
 
+def _job_fields(job_id: str) -> dict:
+    info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S+)", info))
+
+
 def _wait_for(job_id: str, timeout: float = 300) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
-        fields = dict(re.findall(r"(\w+)=(\S+)", info))
+        fields = _job_fields(job_id)
         if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             return fields
         if time.monotonic() > deadline:
@@ -61,8 +65,7 @@ def _release_when_requeued(job_id: str, timeout: float = 300) -> None:
     """Slurm holds a requeued job back for about two minutes (its BeginTime); start it now instead."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
-        fields = dict(re.findall(r"(\w+)=(\S+)", info))
+        fields = _job_fields(job_id)
         if fields.get("Restarts") == "1" and fields.get("JobState") == "PENDING":
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
             return
@@ -103,7 +106,7 @@ def test_entry_point_failure_fails_the_job(sbatch, tmp_path):
 
 # The CPU demo, cut to three small steps so that the job fits in CI; everything else is the shipped config.
 DEMO_STEPS = 3
-DEMO = ["steps=3", "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
+DEMO = [f"steps={DEMO_STEPS}", "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
         "rollout.max_total_tokens=2048", "train.micro_batch_size=4", "train.threads=2", "checkpoint.every=1",
         "logging.progress=false"]
 
