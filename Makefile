@@ -1,11 +1,15 @@
-# The two commands of the README. Both set up .venv first (idempotent).
-.PHONY: run test bench setup
+# The two commands of the README (run, test), plus the fast lane and the benchmarks. Each sets up .venv
+# first (idempotent).
+.PHONY: run test test-fast bench
 run:
 	bash launch/setup_env.sh
 	.venv/bin/qurl train --config launch/configs/cpu_demo.yaml
 test:
 	bash launch/setup_env.sh --with-test
 	.venv/bin/python -m pytest -q tests
+test-fast:
+	bash launch/setup_env.sh --with-test
+	.venv/bin/python -m pytest -q -m "not slow" tests
 bench:
 	bash launch/setup_env.sh
 	.venv/bin/python benchmarks/quant_throughput.py

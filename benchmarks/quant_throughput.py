@@ -61,7 +61,7 @@ def main() -> None:
           f"(baseline: plain fp32 linear = {base * 1e3:.1f} ms)")
     print(f"{'mode':<14} {'format':<10} {'ms':>8} {'x plain':>8}")
     for mode, fmt in [("bf16", None), ("naive", "int8"), ("naive", "fp8_e4m3"), ("naive", "nvfp4"),
-                      ("rc_inference", "nvfp4"), ("rc_training", "nvfp4"), ("rc_both", "nvfp4"),
+                      ("rc_forward", "nvfp4"), ("rc_backward", "nvfp4"), ("rc_both", "nvfp4"),
                       ("rc_both", "mxfp4")]:
         spec = make_spec(mode, fmt)
         t = median_seconds(lambda: fwd_bwd(spec), args.repeats)

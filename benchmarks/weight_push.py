@@ -13,8 +13,10 @@ import argparse
 import statistics
 import time
 
-METHODS = [(None, {}), ("qurl_int8", {}), ("qurl_fp8", {}), ("qurl_fp4", {"fmt": "nvfp4"}),
-           ("qurl_fp4", {"fmt": "mxfp4"}), ("qurl_fp4_rc", {"fmt": "nvfp4"}), ("qurl_fp4_rc", {"fmt": "mxfp4"})]
+from qurl_mcore.precision import METHODS as QURL_METHODS
+
+#: a BF16 engine, then every qurl method in every format it takes (scope all: every linear re-quantizes)
+METHODS = [(None, {})] + [(m.name, {"fmt": fmt, "scope": "all"}) for m in QURL_METHODS.values() for fmt in m.formats]
 
 
 def push_seconds(method, options, device: str, repeats: int) -> float:

@@ -1,19 +1,12 @@
-"""Train-vs-rollout alignment of an MoE under FP4 recipes: MoEResQ's Table 2 at small scale (docs/align.md).
+"""Train-vs-rollout alignment of an MoE per precision: MoEResQ's Table 2 at small scale (docs/align.md).
 
-For each recipe the rollout side (a real SGLang engine, `qurl_mcore.rollout.LocalEngine`) samples a response
-to a few fixed prompts, and the training side (a real Megatron GPTModel, `qurl_mcore.megatron`) scores
-exactly those sequences teacher-forced. Both load the same BF16 HF checkpoint:
-
-| recipe | rollout (SGLang quantization) | training (Megatron recipe) |
-|---|---|---|
-| bf16 | None | bf16 |
-| fp4 | qurl_fp4 | fp4 |
-| rc_rollout | qurl_fp4_rc | fp4 |
-| rc_training | qurl_fp4 | fp4_rc |
-| rc_both | qurl_fp4_rc | fp4_rc |
-
-Both sides quantize the same linears (`scope`: "experts" = the routed experts only, "all" = also attention and
-shared experts; routers, norms, embeddings and the output layer never) in the same FP4 format (`fmt`).
+For each precision (a row of `qurl_mcore.precision.PRECISIONS`; by default `ALIGNMENT_ROWS`, the table's
+rows in MoEResQ's order: bf16, fp4, fp4_rc_rollout, fp4_rc_train, fp4_rc) the rollout side (a real SGLang
+engine, `qurl_mcore.rollout.LocalEngine`, running the precision's method) samples a response to a few fixed
+prompts, and the training side (a real Megatron GPTModel, `qurl_mcore.megatron`, built with the precision's
+trainer side) scores exactly those sequences teacher-forced. Both load the same BF16 HF checkpoint and
+quantize the same linears (`scope`; routers, norms, embeddings and the output layer never) in the same FP4
+format (`fmt`).
 
 Positions. Prompt p_0..p_{P-1}, response r_0..r_{N-1}, sequence x = p ‖ r. The metrics run over the N
 response tokens: token r_i = x_{P+i} was sampled from the forward at position P-1+i, so its pair is
@@ -32,9 +25,9 @@ over prompts:
   topk_overlap_mean      = 1/(T L) Σ_i,ℓ |E_i,ℓ ∩ F_i,ℓ| / k                  (`rl.metrics.topk_overlap_mean`)
   mean_abs_logprob_diff  = 1/T Σ_i |l_i − m_i|                                (`rl.metrics.mean_abs_logprob_diff`)
 
-Recipes that share a rollout method share one engine and its sampled responses (fp4 and rc_training;
-rc_rollout and rc_both), and recipes that share a training recipe share one Megatron model, so the five
-recipes cost three engine starts and three models.
+Precisions that share a rollout method share one engine and its sampled responses (fp4 and fp4_rc_train;
+fp4_rc_rollout and fp4_rc), and precisions that share a trainer side share one Megatron model, so the five
+rows cost three engine starts and three models.
 """
 from __future__ import annotations
 
@@ -42,9 +35,10 @@ import contextlib
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+
+from .precision import ALIGNMENT_ROWS, FP4_FORMATS, PRECISIONS, get_precision, resolve
 
 if TYPE_CHECKING:  # torch, SGLang and Megatron load only when a measurement runs, not with the CLI parser
     import torch
@@ -52,24 +46,6 @@ if TYPE_CHECKING:  # torch, SGLang and Megatron load only when a measurement run
     from .rollout import EngineConfig, Generation
 
 
-@dataclass(frozen=True)
-class Recipe:
-    """One row of the experiment: the rollout engine's quantization method and the trainer's recipe."""
-
-    rollout: str | None  # SGLang quantization (None: unquantized)
-    training: str  # qurl_mcore.megatron.recipes.RECIPES key
-
-
-#: recipe -> (rollout method, training recipe), in MoEResQ Table 2's order
-RECIPES: dict[str, Recipe] = {
-    "bf16": Recipe(None, "bf16"),
-    "fp4": Recipe("qurl_fp4", "fp4"),
-    "rc_rollout": Recipe("qurl_fp4_rc", "fp4"),
-    "rc_training": Recipe("qurl_fp4", "fp4_rc"),
-    "rc_both": Recipe("qurl_fp4_rc", "fp4_rc"),
-}
-SCOPES = ("experts", "all")
-FORMATS = ("nvfp4", "mxfp4")
 #: short fixed prompts; the first `n` are used
 PROMPTS = (
     "The capital of France is",
@@ -85,24 +61,16 @@ PROMPTS = (
 METRICS = ("pcc", "topk_match_frac", "topk_overlap_mean", "mean_abs_logprob_diff")
 
 
-def check_recipes(names: Iterable[str] | None) -> list[str]:
-    """The recipe names to run (all of `RECIPES`, in its order, when None), validated and deduplicated."""
+def check_precisions(names: Iterable[str] | None) -> list[str]:
+    """The precisions to run (`ALIGNMENT_ROWS` when None), validated and deduplicated."""
     if names is None:
-        return list(RECIPES)
+        return list(ALIGNMENT_ROWS)
     names = list(dict.fromkeys(names))
-    bad = [n for n in names if n not in RECIPES]
-    if bad:
-        raise ValueError(f"unknown alignment recipe(s) {bad}; use any of {list(RECIPES)}")
     if not names:
-        raise ValueError(f"no recipes given; use any of {list(RECIPES)}")
+        raise ValueError(f"no precisions given; use any of {list(PRECISIONS)}")
+    for name in names:
+        get_precision(name)
     return names
-
-
-def _check_options(scope: str, fmt: str) -> None:
-    if scope not in SCOPES:
-        raise ValueError(f"unknown scope {scope!r}; use one of {list(SCOPES)}")
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown FP4 format {fmt!r}; use one of {list(FORMATS)}")
 
 
 def default_model() -> Path:
@@ -155,12 +123,13 @@ def rollout(method: str | None, model_path: str, prompts: Sequence[Sequence[int]
         return engine.generate([list(p) for p in prompts], sampling, routed_experts=True)
 
 
-def training_model(recipe: str, model_path: str, *, scope: str = "experts", fmt: str = "nvfp4"):
-    """A Megatron GPTModel of the checkpoint under a training recipe (Megatron must be initialised)."""
+def training_model(precision: str, model_path: str, *, scope: str = "experts", fmt: str | None = None):
+    """A Megatron GPTModel of the checkpoint with the trainer side of `precision` (Megatron must be
+    initialised)."""
     from .megatron.convert import load_hf_weights
     from .megatron.models import build_gpt
 
-    model = build_gpt(model_path, recipe=recipe, scope=scope, fmt=None if recipe == "bf16" else fmt)
+    model = build_gpt(model_path, precision=precision, scope=scope, fmt=fmt)
     load_hf_weights(model, model_path)
     return model.eval()
 
@@ -249,57 +218,69 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def run_alignment(recipes: Iterable[str] | None = None, model_path: str | Path | None = None, *,
+def _row_format(name: str, scope: str, fmt: str) -> tuple[str, str | None]:
+    """(scope, format) of precision `name`: `fmt` where the precision takes it, else its own format."""
+    p = get_precision(name)
+    _, scope, fmt = resolve(name, scope, fmt if fmt in p.formats else None)
+    return scope, fmt
+
+
+def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Path | None = None, *,
                   scope: str = "experts", fmt: str = "nvfp4", prompts: int = 4, max_new_tokens: int = 32,
                   seed: int = 0, dtype: str = "float32") -> list[dict]:
-    """One row (a dict: recipe, rollout, training, scope, fmt, model, tokens and the metrics) per recipe.
+    """One row (a dict: precision, rollout, training, scope, fmt, model, tokens and the metrics) per
+    precision.
 
-    All rollouts run first (one engine per distinct rollout method), then Megatron scores them (one model per
-    distinct training recipe)."""
-    names = check_recipes(recipes)
-    _check_options(scope, fmt)
+    All rollouts run first (one engine per distinct rollout method and format), then Megatron scores them
+    (one model per distinct trainer side)."""
+    names = check_precisions(precisions)
+    if fmt not in FP4_FORMATS:
+        raise ValueError(f"fmt {fmt!r} is not an FP4 format; use one of {list(FP4_FORMATS)}")
+    sides = {name: _row_format(name, scope, fmt) for name in names}
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     model_path = str(model_path or default_model())
     _check_moe(model_path)
     ids = prompt_ids(model_path, prompts)
-    generations: dict[str | None, list[Generation]] = {}
+    generations: dict[tuple, list[Generation]] = {}
     for name in names:
-        method = RECIPES[name].rollout
-        if method not in generations:
-            generations[method] = rollout(method, model_path, ids, max_new_tokens=max_new_tokens, scope=scope,
-                                          fmt=fmt, seed=seed, dtype=dtype)
+        key = (PRECISIONS[name].rollout, *sides[name])
+        if key not in generations:
+            generations[key] = rollout(key[0], model_path, ids, max_new_tokens=max_new_tokens, scope=key[1],
+                                       fmt=key[2], seed=seed, dtype=dtype)
     rows = []
     with megatron_ready():
-        models = {}  # training recipe -> model
+        models = {}  # (trainer mode, scope, format) -> model
         for name in names:
-            recipe = RECIPES[name]
-            if recipe.training not in models:
-                models[recipe.training] = training_model(recipe.training, model_path, scope=scope, fmt=fmt)
-            row = {"recipe": name, "rollout": recipe.rollout or "bf16", "training": recipe.training,
-                   "scope": scope, "fmt": fmt, "model": model_path}
-            row.update(metrics(paired(models[recipe.training], generations[recipe.rollout])))
+            p, (row_scope, row_fmt) = PRECISIONS[name], sides[name]
+            train_key = (p.train, p.train_granularity, row_scope, row_fmt if p.trains_quantized else None)
+            if train_key not in models:
+                models[train_key] = training_model(name, model_path, scope=row_scope, fmt=row_fmt)
+            row = {"precision": name, "rollout": p.rollout or "bf16",
+                   "training": p.train + (f" ({p.train_granularity})" if p.train_granularity else ""),
+                   "scope": row_scope, "fmt": row_fmt or "bf16", "model": model_path}
+            row.update(metrics(paired(models[train_key], generations[(p.rollout, row_scope, row_fmt)])))
             rows.append(row)
         models.clear()
     return rows
 
 
-def measure(recipe: str, model_path: str | Path | None = None, **kwargs) -> dict:
-    """The row of one recipe; keywords as `run_alignment`."""
-    return run_alignment([recipe], model_path, **kwargs)[0]
+def measure(precision: str, model_path: str | Path | None = None, **kwargs) -> dict:
+    """The row of one precision; keywords as `run_alignment`."""
+    return run_alignment([precision], model_path, **kwargs)[0]
 
 
 def format_table(rows: Sequence[dict]) -> str:
     """A Markdown table of `run_alignment` rows (metrics to 4 decimals)."""
     if not rows:
         raise ValueError("no rows to format")
-    head = ["recipe", "rollout", "training", "tokens", "PCC", "top-k match", "top-k overlap", "mean |Δ logp|"]
+    head = ["precision", "rollout", "training", "tokens", "PCC", "top-k match", "top-k overlap", "mean |Δ logp|"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        missing = [k for k in ("recipe", "rollout", "training", "tokens", *METRICS) if k not in row]
+        missing = [k for k in ("precision", "rollout", "training", "tokens", *METRICS) if k not in row]
         if missing:
-            raise ValueError(f"row {row.get('recipe', '?')!r} lacks {missing}")
-        cells = [row["recipe"], row["rollout"], row["training"], str(row["tokens"])]
+            raise ValueError(f"row {row.get('precision', '?')!r} lacks {missing}")
+        cells = [row["precision"], row["rollout"], row["training"], str(row["tokens"])]
         cells += [f"{row[k]:.4f}" for k in METRICS]
         lines.append("| " + " | ".join(cells) + " |")
     first = rows[0]

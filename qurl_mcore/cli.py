@@ -22,16 +22,31 @@ def _prepare_models(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import sys
+
     from .config import ConfigError, load_config
+    from .preflight import preflight
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
-        print(f"qurl train: {err}")
+        print(f"qurl train: {err}", file=sys.stderr)
         return 2
+    where = args.config or "the default config"
+    if args.check:
+        checked = preflight(cfg)
+        if not checked.ok:
+            print(f"qurl train --check: {where}: {checked.report()}", file=sys.stderr)
+            return 2
+        print(f"qurl train --check: {where} is ready to run\n{checked.report()}")
+        return 0
     from .loop.driver import run
 
-    result = run(cfg, address=args.address)
+    try:
+        result = run(cfg, address=args.address)
+    except ConfigError as err:
+        print(f"qurl train: {where}: {err}", file=sys.stderr)
+        return 2
     print(f"qurl train: {result.steps_done}/{cfg.steps} steps; metrics {result.log_dir / 'metrics.jsonl'}"
           + (f"; report {result.report}" if result.report else ""))
     return 0
@@ -124,10 +139,10 @@ def _align(args: argparse.Namespace) -> int:
 
     from .align import format_table, run_alignment, stdout_to_stderr
 
-    recipes = [r for item in args.recipes for r in item.split(",") if r] if args.recipes else None
+    precisions = [r for item in args.precisions for r in item.split(",") if r] if args.precisions else None
     try:
         with stdout_to_stderr():  # engine logs to stderr, the result alone to stdout
-            rows = run_alignment(recipes, args.model, scope=args.scope, fmt=args.fmt, prompts=args.prompts,
+            rows = run_alignment(precisions, args.model, scope=args.scope, fmt=args.fmt, prompts=args.prompts,
                                  max_new_tokens=args.max_new_tokens, seed=args.seed)
     except ValueError as err:
         print(f"qurl align: {err}")
@@ -137,13 +152,15 @@ def _align(args: argparse.Namespace) -> int:
 
 
 def _add_align(sub) -> None:
-    from .align import FORMATS, PROMPTS, RECIPES, SCOPES
+    from .align import PROMPTS
+    from .precision import ALIGNMENT_ROWS, FP4_FORMATS, PRECISIONS, SCOPES
 
-    p = sub.add_parser("align", help="train-vs-rollout alignment of an MoE per FP4 recipe (MoEResQ Table 2)")
+    p = sub.add_parser("align", help="train-vs-rollout alignment of an MoE per precision (MoEResQ Table 2)")
     p.add_argument("--model", help="Qwen3-MoE HF checkpoint directory (default: the tiny random Qwen3-MoE)")
-    p.add_argument("--recipes", nargs="+", metavar="RECIPE", help=f"subset of {', '.join(RECIPES)} (default: all)")
-    p.add_argument("--scope", choices=SCOPES, default="experts", help="quantized linears (default: experts)")
-    p.add_argument("--fmt", choices=FORMATS, default="nvfp4", help="FP4 format (default: nvfp4)")
+    p.add_argument("--precisions", nargs="+", metavar="PRECISION",
+                   help=f"any of {', '.join(PRECISIONS)} (default: {', '.join(ALIGNMENT_ROWS)})")
+    p.add_argument("--scope", choices=list(SCOPES), default="experts", help="quantized linears (default: experts)")
+    p.add_argument("--fmt", choices=FP4_FORMATS, default="nvfp4", help="FP4 format (default: nvfp4)")
     p.add_argument("--prompts", type=int, default=4, help=f"fixed prompts to sample from, 1-{len(PROMPTS)} (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="response length (default 32)")
     p.add_argument("--seed", type=int, default=0, help="rollout engine's sampling seed (default 0)")
@@ -164,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     tr = sub.add_parser("train", help="run the QuRL loop: SGLang rollout, Megatron training, weights back each step")
     tr.add_argument("--config", help="the run's YAML file (launch/configs/*.yaml); defaults apply without one")
     tr.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
+    tr.add_argument("--check", action="store_true",
+                    help="check the config as a whole, print the resolved run and exit (0: ready, 2: problems)")
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-6 rollout.precision=fp8")
     tr.set_defaults(func=_train)
     pat = sub.add_parser("patch", help="pinned source patch sets for installed packages (docs/patches.md)")

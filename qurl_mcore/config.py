@@ -10,8 +10,14 @@ import difflib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Callable, Literal
 
+from qurl_mcore.precision import FP4_FORMATS, PRECISIONS, SCOPES, get_precision, resolve
+
+# the choices of the precision table (qurl_mcore/precision.py), as types the field checks read
+PrecisionName = Literal[tuple(PRECISIONS)]  # type: ignore[valid-type]
+ScopeName = Literal[("auto", *SCOPES)]  # type: ignore[valid-type]
+FP4Format = Literal[FP4_FORMATS]  # type: ignore[valid-type]
 
 @dataclass
 class ModelConfig:
@@ -33,9 +39,6 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    precision: Literal["bf16", "int8", "fp8", "fp4", "fp4_rc"] = "int8"
-    fp4_format: Literal["nvfp4", "mxfp4"] = "nvfp4"
-    scope: Literal["experts", "all"] = "all"
     samples_per_prompt: int = 4
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -52,7 +55,6 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    recipe: Literal["bf16", "fp8", "fp4", "fp4_rc", "rc_inference", "rc_training"] = "bf16"
     tp_size: int = 1
     ep_size: int = 1
     dp_size: int = 1
@@ -104,19 +106,41 @@ class Config:
     uaq: UAQConfig = field(default_factory=UAQConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # how both sides compute: a row of qurl_mcore/precision.py (trainer and engines from one name)
+    precision: PrecisionName = "int8"
+    scope: ScopeName = "auto"  # the linears quantized; auto: the precision's default
+    fp4_format: FP4Format = "nvfp4"  # the format of the FP4 precisions
     steps: int = 30
     seed: int = 0
     layout: Literal["colocated", "disaggregated"] = "colocated"
+
+    def resolved_precision(self):
+        """(precision row, scope, format) with the defaults filled in (`qurl_mcore.precision.resolve`)."""
+        p = get_precision(self.precision)
+        return resolve(self.precision, self.scope, self.fp4_format if self.fp4_format in p.formats else None)
 
 
 class ConfigError(ValueError):
     """Raised with every problem found, one per line."""
 
 
-_POSITIVE = {"data.prompts_per_step", "data.num_prompts", "rollout.samples_per_prompt", "rollout.max_new_tokens",
-             "rollout.engines", "rollout.tp_size", "train.tp_size", "train.ep_size", "train.micro_batch_size",
-             "train.dp_size", "rollout.context_length", "rollout.push_bucket_mb", "data.max_operand",
-             "checkpoint.every", "checkpoint.keep", "steps", "train.lr", "uaq.scale"}
+_POSITIVE = (lambda v: v > 0, "must be positive")
+_NON_NEGATIVE = (lambda v: v >= 0, "must be >= 0")
+#: field -> (the test its value must pass, what that means)
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{name: _POSITIVE for name in (
+        "data.prompts_per_step", "data.num_prompts", "data.max_operand", "rollout.samples_per_prompt",
+        "rollout.max_new_tokens", "rollout.engines", "rollout.tp_size", "rollout.context_length",
+        "rollout.push_bucket_mb", "train.tp_size", "train.ep_size", "train.dp_size", "train.micro_batch_size",
+        "train.lr", "checkpoint.every", "checkpoint.keep", "steps", "uaq.scale")},
+    **{name: _NON_NEGATIVE for name in (
+        "rollout.temperature", "rollout.max_total_tokens", "rollout.restart_attempts", "train.threads",
+        "train.eps_high", "train.kl_coef", "train.entropy_coef", "train.grad_clip", "train.weight_decay")},
+    "train.eps_low": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "train.tis_cap": (lambda v: v >= 1, "must be >= 1"),
+    "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "rollout.top_k": (lambda v: v == -1 or v > 0, "must be -1 (off) or a positive count"),
+}
 
 
 def _check_value(name: str, value, hint, errors: list[str]):
@@ -140,16 +164,28 @@ def _check_value(name: str, value, hint, errors: list[str]):
     if not isinstance(value, hint) or isinstance(value, bool) and hint is not bool:
         errors.append(f"{name}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
         return value
-    if name in _POSITIVE and value <= 0:
-        errors.append(f"{name}: must be positive, got {value!r}")
+    test, meaning = RANGES.get(name, (None, ""))
+    if test is not None and not (value == value and test(value)):  # value == value: NaN fails every range
+        errors.append(f"{name}: {meaning}, got {value!r}")
     return value
+
+
+#: fields that moved, with where they went
+MOVED = {
+    "rollout.precision": "precision (one name for the trainer and the engines: qurl_mcore/precision.py)",
+    "train.recipe": "precision (one name for the trainer and the engines: qurl_mcore/precision.py)",
+    "rollout.scope": "scope",
+    "rollout.fp4_format": "fp4_format",
+}
 
 
 def _build(cls, data: dict, prefix: str, errors: list[str]):
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in data:
-        if key not in known:
+        if f"{prefix}{key}" in MOVED:
+            errors.append(f"{prefix}{key}: moved to the top-level field {MOVED[prefix + key]}")
+        elif key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             errors.append(f"{prefix}{key}: unknown field" + (f" (did you mean {prefix}{close[0]}?)" if close else
                                                              f"; known: {sorted(known)}"))
@@ -185,37 +221,9 @@ def _apply_override(data: dict, item: str, errors: list[str]) -> None:
     node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
 
 
-def _semantic_checks(cfg: Config, errors: list[str]) -> None:
-    if cfg.data.task == "file" and not cfg.data.path:
-        errors.append("data.path: task 'file' needs the path of a .jsonl or .parquet prompt file")
-    if cfg.data.task == "file" and cfg.data.path and not Path(cfg.data.path).is_file():
-        errors.append(f"data.path: {cfg.data.path} does not exist")
-    if cfg.train.advantage in ("grpo", "rloo") and cfg.rollout.samples_per_prompt < 2:
-        errors.append(f"rollout.samples_per_prompt: {cfg.train.advantage} compares samples of one prompt; "
-                      "use at least 2")
-    if not 0 <= cfg.train.eps_low < 1:
-        errors.append(f"train.eps_low: must be in [0, 1), got {cfg.train.eps_low}")
-    if cfg.rollout.temperature < 0 or not 0 < cfg.rollout.top_p <= 1:
-        errors.append("rollout.temperature must be >= 0 and rollout.top_p in (0, 1]")
-    if cfg.train.tis_cap < 1:
-        errors.append(f"train.tis_cap: must be >= 1, got {cfg.train.tis_cap}")
-    world = cfg.train.tp_size * cfg.train.dp_size
-    if world % cfg.train.ep_size:
-        errors.append(f"train.ep_size: {cfg.train.ep_size} must divide the trainer's world size tp_size x dp_size "
-                      f"= {world}")
-    if cfg.rollout.restart_attempts < 0 or cfg.train.threads < 0 or cfg.rollout.max_total_tokens < 0:
-        errors.append("rollout.restart_attempts, rollout.max_total_tokens and train.threads must be >= 0")
-    if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
-        errors.append(f"rollout.top_k: -1 (off) or a positive count, got {cfg.rollout.top_k}")
-    if cfg.train.entropy_coef and cfg.train.tp_size > 1:
-        errors.append("train.entropy_coef: the entropy bonus needs the full vocabulary on a rank; use tp_size=1")
-    if cfg.uaq.enabled and cfg.rollout.precision not in ("int8", "fp8"):
-        errors.append(f"uaq.enabled: UAQ targets INT8/FP8 rollout, not {cfg.rollout.precision!r}; "
-                      "set uaq.enabled=false")
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the YAML file (if any), then the overrides; raises ConfigError listing every bad field."""
+    """Defaults, then the YAML file (if any), then the overrides; raises ConfigError listing every bad field.
+    Rules that involve several fields, the model or the cluster are `qurl_mcore.preflight`'s."""
     import yaml
 
     data: dict = {}
@@ -231,8 +239,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     for item in overrides:
         _apply_override(data, item, errors)
     cfg = _build(Config, data, "", errors)
-    if not errors:
-        _semantic_checks(cfg, errors)
     if errors:
         where = f" in {path}" if path else ""
         raise ConfigError(f"{len(errors)} problem(s){where}:\n  " + "\n  ".join(errors))

@@ -1,5 +1,12 @@
+import os
+import sys
+
 import pytest
 import torch
+
+# The tools the tests run (shellcheck, ray, qurl) are the ones the project's environment installs next to this
+# interpreter, never copies a machine happens to have on its PATH: a fresh machine has none.
+os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel path); the CPU path is tested elsewhere"
@@ -9,3 +16,13 @@ requires_cuda = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def megatron_ws1():
+    """Megatron's model-parallel state at world size 1 (gloo on CPU) for the in-process tests."""
+    from qurl_mcore.megatron.parallel import destroy_parallel, init_parallel
+
+    init_parallel()
+    yield
+    destroy_parallel()

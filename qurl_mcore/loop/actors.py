@@ -76,13 +76,21 @@ def _options(placement: Placement, pg, index: int, devices: float, threads: int)
     return opts
 
 
+def _rendezvous() -> tuple[str, int]:
+    """This node's address and a TCP port free on it."""
+    import ray
+
+    from qurl_mcore.transfer import free_port
+
+    addr = ray.util.get_node_ip_address()
+    return addr, free_port(addr)
+
+
 def start_actors(cfg: Config, model_path: str):
     """Create the placement group, the trainer group, the engine hosts and the rollout manager.
     Returns (trainers, hosts, manager, placement group). Engines start in parallel with the trainers."""
     import ray
     from ray.util.placement_group import placement_group
-
-    from qurl_mcore.megatron.parallel import free_port
 
     from .rollout import EngineHost, RolloutManager, engine_config
     from .trainer import PolicyTrainer
@@ -96,13 +104,15 @@ def start_actors(cfg: Config, model_path: str):
     world = len(placement.trainer)
     engine_devices = placement.share * (cfg.rollout.tp_size if use_gpu and cfg.layout == "disaggregated" else 1)
     config = engine_config(cfg, model_path, "cuda" if use_gpu else "cpu")
-    hosts = [ray.remote(EngineHost).options(**_options(placement, pg, b, engine_devices, threads)).remote(config)
-             for b in placement.engines]
-    # rank 0 hosts the rendezvous: ask its bundle for its node's address
-    master = ray.get(ray.remote(ray.util.get_node_ip_address).options(
+    host = "127.0.0.1" if cfg.layout == "colocated" else None  # disaggregated: reachable from the trainer's node
+    logs = os.path.abspath(cfg.logging.dir)  # each actor's output: a file of its own there
+    hosts = [ray.remote(EngineHost).options(**_options(placement, pg, b, engine_devices, threads)).remote(
+        config, host, log_file=f"{logs}/engine-{i}.log") for i, b in enumerate(placement.engines)]
+    # rank 0 hosts the rendezvous: its node's address, and a port free there (not on the driver's node)
+    master, port = ray.get(ray.remote(_rendezvous).options(
         **_options(placement, pg, placement.trainer[0], 0, threads)).remote())
-    port = free_port()
     trainers = [ray.remote(PolicyTrainer).options(**_options(placement, pg, b, placement.share, threads)).remote(
-        cfg, rank, world, master, port) for rank, b in enumerate(placement.trainer)]
-    manager = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, model_path, hosts)
+        cfg, rank, world, master, port, log_file=f"{logs}/trainer-{rank}.log") for rank, b in enumerate(placement.trainer)]
+    manager = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, model_path, hosts,
+                                                                     log_file=f"{logs}/rollout-manager.log")
     return trainers, hosts, manager, pg

@@ -17,6 +17,7 @@ prompt order is a function of the step), and pushes the weights before the first
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -72,51 +73,54 @@ class Loop:
         import ray
 
         from .actors import start_actors
-        from .trainer import resolve_model_path
+        from qurl_mcore.models import resolve_model_path
 
         self.cfg = cfg
         self.model_path = str(resolve_model_path(cfg.model.path))
         self.trainers, self.hosts, self.manager, self.pg = start_actors(cfg, self.model_path)
         self.ray = ray
         self.engine_restarts = 0
-        self.group: str | None = None  # the weight broadcast group (disaggregated layout)
-        self.groups_opened = 0
-        if cfg.layout == "disaggregated":
-            self.open_group()
+        self.groups_opened = 0  # weight broadcast groups (disaggregated layout), one more after each restart
+        self.connect()
 
     # -- weights and engine recovery ------------------------------------------------------------------------
-    def open_group(self) -> None:
-        """The disaggregated layout pushes by broadcast: the trainer's rank 0 and every engine's TP ranks
-        form one group (NCCL on GPUs, gloo on CPUs), hosted at rank 0's node."""
+    def connect(self) -> None:
+        """Give the trainer ranks the engines' endpoints; in the disaggregated layout rank 0 then opens a
+        weight group with every engine's TP ranks (NCCL on GPUs, gloo on CPUs), hosted on its node."""
         ray = self.ray
-        backend = "nccl" if ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
-        self.groups_opened += 1
-        self.group = f"qurl-weights-{self.groups_opened}"
-        addr, port = ray.get(self.trainers[0].rendezvous.remote())
-        ray.get(self.manager.open_group.remote(self.trainers[0], addr, port, self.group, backend,
-                                               BROADCAST_TIMEOUT_S))
-        print(f"qurl train: weights go to the engines by {backend} broadcast ({self.group} at {addr}:{port})",
-              file=sys.stderr)
+        endpoints = ray.get(self.manager.endpoints.remote())
+        ray.get([t.connect_engines.remote(endpoints) for t in self.trainers])
+        if self.cfg.layout == "disaggregated":
+            backend = "nccl" if ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
+            self.groups_opened += 1
+            where = ray.get(self.trainers[0].open_weight_group.remote(f"qurl-weights-{self.groups_opened}", backend,
+                                                                      BROADCAST_TIMEOUT_S))
+            say(f"weights go to the engines by {backend} broadcast (group at {where})")
 
-    def close_group(self) -> None:
-        if self.group is not None:
-            self.ray.get([self.manager.leave_group.remote(self.group), self.trainers[0].close_weight_group.remote()])
-            self.group = None
+    def check_symmetry(self) -> None:
+        """Refuse to train unless the engines and the trainer quantize exactly the linears the precision
+        table says (`qurl_mcore.precision.quantized_linears`)."""
+        from qurl_mcore.precision import quantized_linears
 
-    def _push(self, version: str, only: list[int] | None = None) -> float:
-        """Export from every trainer rank (collective), then rank 0's buckets go to the engines: through the
-        object store (colocated; only the engines in `only`, if given) or by broadcast (every engine)."""
-        ray = self.ray
-        start = time.perf_counter()
-        bucket_bytes = self.cfg.rollout.push_bucket_mb << 20
-        if self.group is not None:
-            specs = ray.get([t.stage_weights.remote(bucket_bytes) for t in self.trainers])[0]
-            ray.get(self.manager.broadcast.remote(self.trainers[0], specs, version, self.group))
-        else:
-            refs = [t.export.remote(bucket_bytes) for t in self.trainers]
-            done = self.manager.push.remote([refs[0]], version, only)
-            ray.get(refs[1:] + [done])
-        return time.perf_counter() - start
+        precision, scope, _ = self.cfg.resolved_precision()
+        engines = self.ray.get(self.manager.quantized_linears.remote())
+        trainer = set().union(*self.ray.get([t.quantized_linears.remote() for t in self.trainers]))
+        problems = []
+        want = quantized_linears(self.model_path, precision.name, scope, side="rollout")
+        for i, got in enumerate(engines):
+            if got != want:
+                problems.append(f"engine {i} quantizes {len(got)} linears, the table {len(want)} "
+                                f"(e.g. {sorted(got ^ want)[:3]})")
+        want = quantized_linears(self.model_path, precision.name, scope, side="train")
+        if trainer != want:
+            problems.append(f"the trainer quantizes {len(trainer)} linears, the table {len(want)} "
+                            f"(e.g. {sorted(trainer ^ want)[:3]})")
+        if problems:
+            raise RuntimeError(f"precision {precision.name!r}, scope {scope!r}: " + "; ".join(problems))
+
+    def push(self, version: str, only: list[int] | None = None) -> float:
+        """Every trainer rank streams its weights to its engines (collective); returns the seconds taken."""
+        return max(self.ray.get([t.push_weights.remote(version, only) for t in self.trainers]))
 
     def recovering(self, action, version: str):
         """`action()`, retried after restarting a failed engine and loading it with the trainer's current
@@ -127,25 +131,28 @@ class Loop:
         for attempt in range(attempts + 1):
             try:
                 return action()
-            except Exception as err:  # noqa: BLE001 - Ray wraps the manager's EngineFailure
+            except Exception as err:  # noqa: BLE001 - Ray wraps the actors' EngineFailure
                 failure = getattr(err, "cause", err)
                 if not isinstance(failure, EngineFailure) or attempt == attempts:
                     raise
-                print(f"qurl train: {failure}; restarting it ({attempt + 1}/{attempts})", file=sys.stderr)
+                say(f"{failure}; restarting it ({attempt + 1}/{attempts})")
                 self.engine_restarts += 1
                 try:
                     self.ray.get(self.manager.restart.remote(failure.index))
-                    if self.group is not None:  # the new engine joins a new group with the others
-                        self.close_group()
-                        self.open_group()
-                    self._push(version, only=[failure.index])
+                    if self.cfg.layout == "disaggregated":  # the new engine joins a new group with the others
+                        self.ray.get(self.trainers[0].close_weight_group.remote())
+                        self.connect()
+                        self.push(version)
+                    else:
+                        self.connect()
+                        self.push(version, only=[failure.index])
                 except Exception as again:  # noqa: BLE001 - counts as the next attempt's failure
-                    print(f"qurl train: restarting engine {failure.index} failed: {again}", file=sys.stderr)
+                    say(f"restarting engine {failure.index} failed: {again}")
                 self.write_engines()
         raise AssertionError("unreachable")
 
-    def push(self, version: str) -> float:
-        return self.recovering(lambda: self._push(version), version)
+    def push_all(self, version: str) -> float:
+        return self.recovering(lambda: self.push(version), version)
 
     def rollout(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """The step's samples (a failed engine is restarted with the current weights and the rollout retried)."""
@@ -192,11 +199,12 @@ class Loop:
             results = self.ray.get([t.step.remote(batch) for t in self.trainers])
             metrics.update(results[0])
         else:
-            metrics["train/skipped"] = 1.0  # no group carried a learning signal
+            metrics["train/skipped_nonfinite"] = 0.0
         t_push = time.perf_counter()
-        metrics["time/push"] = self.push(f"step-{step + 1}")
+        metrics["time/push"] = self.push_all(f"step-{step + 1}")
         end = time.perf_counter()
         metrics.update({"time/train_step": t_push - t_train, "time/step": end - start,
+                        "train/skipped_no_signal": float(not samples),  # dynamic sampling dropped every group
                         "rollout/engine_restarts": float(self.engine_restarts)})
         return metrics
 
@@ -213,6 +221,13 @@ class Loop:
             remove_placement_group(self.pg)
 
 
+def say(message: str) -> None:
+    """One line on the console for a notable event, above the progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(f"qurl train: {message}", file=sys.stderr)
+
+
 def _progress(cfg: Config, start: int):
     from tqdm import tqdm
 
@@ -222,28 +237,46 @@ def _progress(cfg: Config, start: int):
 
 def run(cfg: Config, address: str | None = None) -> RunResult:
     """Train for `cfg.steps` steps (resuming from `cfg.checkpoint.dir` when it holds a checkpoint). `address`
-    joins an existing Ray cluster (default: $RAY_ADDRESS, else a local one)."""
+    joins an existing Ray cluster (default: $RAY_ADDRESS, else a local one). Raises ConfigError listing
+    every problem `qurl_mcore.preflight` finds, before anything starts.
+
+    The console gets the progress bar and one line per notable event; everything the actors print (and the
+    driver's Python warnings) goes to files in `logging.dir` (driver.log, trainer-<rank>.log, engine-<i>.log,
+    rollout-manager.log)."""
     import ray
 
-    from .checkpoint import StopRequest
+    from qurl_mcore.config import ConfigError
+    from qurl_mcore.preflight import preflight
 
+    from .checkpoint import StopRequest
+    from .tracking import warnings_to_file
+
+    checked = preflight(cfg)
+    if not checked.ok:
+        raise ConfigError(checked.report())
+    logs = Path(cfg.logging.dir)
+    warnings_to_file(logs / "driver.log")
+    precision, scope, _ = cfg.resolved_precision()
+    say(f"{cfg.steps} steps of {cfg.model.path}, precision {precision.name} (scope {scope}), {cfg.layout}, "
+        f"{cfg.train.tp_size * cfg.train.dp_size} trainer rank(s), {cfg.rollout.engines} engine(s); logs in {logs}")
     owns_ray = not ray.is_initialized()
     address = address or os.environ.get("RAY_ADDRESS")  # an existing cluster brings its own node tags
     if owns_ray:
         # "local": never attach to a cluster some earlier `ray start` left behind on this machine
         ray.init(address=address or "local", resources=None if address else {"qurl_train": 1, "qurl_rollout": 1},
-                 log_to_driver=True, include_dashboard=False)
+                 log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
     stop = StopRequest()  # after ray.init, whose own SIGTERM handler would abort the driver
     torch.manual_seed(cfg.seed)
-    log = MetricsLog(cfg.logging.dir, wandb_project=cfg.logging.wandb_project, run_config=to_dict(cfg))
+    log = MetricsLog(logs, wandb_project=cfg.logging.wandb_project, run_config=to_dict(cfg))
     loop = Loop(cfg)
     try:
         loop.write_engines()
         step = loop.restore()
         if step:
-            print(f"qurl train: resuming at step {step} from {cfg.checkpoint.dir}", file=sys.stderr)
+            say(f"resuming at step {step} from {cfg.checkpoint.dir}")
         log.truncate(step)  # records of steps done after the checkpoint are redone
-        loop.push(f"step-{step}")  # UAQ-scaled or resumed weights replace the checkpoint the engines loaded
+        loop.check_symmetry()
+        loop.push_all(f"step-{step}")  # UAQ-scaled or resumed weights replace the checkpoint the engines loaded
         bar = _progress(cfg, step)
         while step < cfg.steps and not stop.requested:
             metrics = loop.step(step)
@@ -252,15 +285,16 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
                             tok_s=f"{metrics['perf/rollout_tokens_per_s']:.0f}", refresh=False)
-            if metrics.get("train/skipped") and "train/grad_norm" in metrics:
-                print(f"qurl train: step {step} skipped: non-finite loss or gradient "
-                      f"(grad norm {metrics['train/grad_norm']})", file=sys.stderr)
+            if metrics.get("train/skipped_nonfinite"):
+                say(f"step {step} skipped: non-finite loss or gradient (grad norm {metrics['train/grad_norm']})")
+            if metrics.get("train/skipped_no_signal"):
+                say(f"step {step} skipped: every prompt group had equal rewards (no learning signal)")
             if step % cfg.checkpoint.every == 0 or step == cfg.steps:
-                loop.save(step)
+                say(f"checkpoint {loop.save(step)}")
         bar.close()
         if stop.requested and step < cfg.steps:
-            loop.save(step)
-            print(f"qurl train: {stop.signal_name} at step {step}: checkpoint written, exiting", file=sys.stderr)
+            path = loop.save(step)
+            say(f"{stop.signal_name} at step {step}: checkpoint {path} written, exiting")
     finally:
         log.close()
         loop.close()

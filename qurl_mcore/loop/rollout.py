@@ -1,31 +1,34 @@
 """The rollout side of the loop: which prompts a step takes, the SGLang engines that answer them, the rewards.
 
-`EngineHost` runs on the node (and devices) of one SGLang HTTP server and owns it: it starts and restarts it,
-and pushes weights to it from the same host (tensor pushes share memory with the server). `RolloutManager`
-owns the prompt set, the reward function and the hosts: it turns a step number into scored `Sample`s.
+`EngineHost` runs on the node (and devices) of one SGLang HTTP server and owns it: it starts and restarts it.
+The trainer pushes weights to the servers itself (trainer.py). `RolloutManager` owns the prompt set, the
+reward function and the hosts: it turns a step number into scored `Sample`s.
 Both are plain classes; `actors.py` runs them as Ray actors.
 """
 from __future__ import annotations
 
+import os
 import random
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from qurl_mcore.config import Config
 from qurl_mcore.rollout import EngineConfig, Generation, HttpEngine
+from qurl_mcore.sglang.options import QUANTIZED_LOG_ENV
 from qurl_mcore.tasks import REWARDS, Example, addition_examples, load_examples, score_all
 
 from .batch import Sample
+from .tracking import redirect_output
 
 
 def engine_quantization(cfg: Config) -> tuple[str | None, dict[str, Any]]:
-    """The SGLang quantization method and options of the configured rollout precision."""
-    r = cfg.rollout
-    if r.precision == "bf16":
+    """The SGLang method and options of the configured precision (`qurl_mcore.precision`)."""
+    precision, scope, fmt = cfg.resolved_precision()
+    if precision.rollout is None:
         return None, {}
-    if r.precision in ("int8", "fp8"):
-        return f"qurl_{r.precision}", {"scope": r.scope}
-    return f"qurl_{r.precision}", {"fmt": r.fp4_format, "scope": r.scope}
+    return precision.rollout, {"fmt": fmt, "scope": scope}
 
 
 def engine_config(cfg: Config, model_path: str, device: str) -> EngineConfig:
@@ -48,52 +51,58 @@ class EngineFailure(RuntimeError):
 
 
 class EngineHost:
-    """One SGLang server on this node: start, generate, push weights, restart."""
+    """One SGLang HTTP server on this node: start, generate, restart. It listens on `host` (loopback, unless
+    None: this node's address, for an engine other nodes push to) and logs which linears it quantized, for
+    the loop's check that trainer and engines quantize the same ones."""
 
-    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0):
+    def __init__(self, config: EngineConfig, host: str | None = "127.0.0.1", startup_timeout: float = 600.0,
+                 log_file: str | None = None):
+        import ray
+
+        if log_file:  # the host's output and its server's go to the run's logs
+            redirect_output(log_file)
+        self.log_file = log_file
         self.config = config
+        self.host = host or ray.util.get_node_ip_address()
         self.startup_timeout = startup_timeout
         self.engine: HttpEngine | None = None
+        self.quantized_log = ""
         self.start()
 
-    def start(self) -> str:
-        self.engine = HttpEngine.launch(self.config, startup_timeout=self.startup_timeout)
-        return self.engine.url
+    def start(self) -> tuple[str, str | None]:
+        fd, self.quantized_log = tempfile.mkstemp(prefix="qurl-quantized-", suffix=".txt")
+        os.close(fd)
+        self.engine = HttpEngine.launch(self.config, host=self.host, startup_timeout=self.startup_timeout,
+                                        env={QUANTIZED_LOG_ENV: self.quantized_log}, log_path=self.log_file)
+        return self.endpoint()
+
+    def endpoint(self) -> tuple[str, str | None]:
+        """(URL, API key) of the server, for the clients that push weights to it."""
+        return self.engine.url, self.engine.api_key
 
     def pid(self) -> int:
         return self.engine.process.pid
 
-    def restart(self) -> str:
+    def quantized_linears(self) -> set[str]:
+        """HF module names of the linears the engine's processes quantized."""
+        return set(Path(self.quantized_log).read_text().split())
+
+    def restart(self) -> tuple[str, str | None]:
         """Stop what is left of the server and start a fresh one; it serves the checkpoint's weights until
-        the next push."""
+        the next push. Returns the new endpoint."""
         self.shutdown()
         return self.start()
 
     def generate(self, input_ids: list[list[int]], sampling: dict) -> list[Generation]:
         return self.engine.generate(input_ids, sampling)
 
-    def push(self, named_buckets: list[list[tuple[str, Any]]], version: str, bucket_bytes: int) -> int:
-        return self.engine.push_weights((nt for bucket in named_buckets for nt in bucket), version,
-                                        bucket_bytes=bucket_bytes)
-
-    # broadcast pushes (disaggregated layout): the engine's TP ranks follow the trainer's rank 0 in a group
-    def join_weight_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
-                          group_name: str, backend: str) -> None:
-        self.engine.join_weight_group(master_addr, master_port, rank_offset, world_size, group_name, backend)
-
-    def check_specs(self, specs: list) -> None:
-        self.engine.check_specs(specs)
-
-    def receive(self, specs: list, version: str, group_name: str) -> int:
-        return self.engine.receive_weights(specs, version, group_name)
-
-    def leave_weight_group(self, group_name: str) -> None:
-        self.engine.leave_weight_group(group_name)
-
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.quantized_log:
+            Path(self.quantized_log).unlink(missing_ok=True)
+            self.quantized_log = ""
 
 
 def prompt_indices(num_examples: int, step: int, per_step: int, seed: int) -> list[int]:
@@ -119,7 +128,9 @@ def load_prompt_set(cfg: Config) -> list[Example]:
 class RolloutManager:
     """Prompts → n samples each from the engines (behaviour log-probs included) → rewards."""
 
-    def __init__(self, cfg: Config, model_path: str, hosts: list):
+    def __init__(self, cfg: Config, model_path: str, hosts: list, log_file: str | None = None):
+        if log_file:
+            redirect_output(log_file)
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -175,52 +186,16 @@ class RolloutManager:
         }
         return samples, metrics
 
-    def push(self, buckets_ref: list, version: str, only: list[int] | None = None) -> float:
-        """Every engine (or those in `only`) loads the weights as `version` and re-quantizes them; returns the
-        seconds taken. `buckets_ref` is [ObjectRef of the trainer's buckets]: wrapped, so that Ray hands the
-        reference on to the hosts instead of copying the weights through this actor."""
-        start = time.perf_counter()
-        bucket_bytes = self.cfg.rollout.push_bucket_mb << 20
-        chosen = range(len(self.hosts)) if only is None else only
-        self._gather({i: self.hosts[i].push.remote(buckets_ref[0], version, bucket_bytes) for i in chosen})
-        return time.perf_counter() - start
-
-    def open_group(self, sender, master_addr: str, master_port: int, group_name: str, backend: str,
-                   timeout: float) -> None:
-        """One weight group: the trainer's rank 0 (`sender`, an actor handle) as rank 0, then every engine's
-        TP ranks in engine order. Joins all at once (each blocks until the group is complete)."""
+    def endpoints(self) -> list[tuple[str, str | None]]:
+        """Every engine's (URL, API key), in engine order."""
         import ray
 
-        tp = self.cfg.rollout.tp_size
-        world = 1 + tp * len(self.hosts)
-        joins = {i: host.join_weight_group.remote(master_addr, master_port, 1 + i * tp, world, group_name, backend)
-                 for i, host in enumerate(self.hosts)}
-        created = sender.open_weight_group.remote(master_addr, master_port, world, group_name, backend, timeout)
-        self._gather(joins)
-        ray.get(created)
+        return ray.get([host.endpoint.remote() for host in self.hosts])
 
-    def leave_group(self, group_name: str) -> None:
-        """Every engine leaves the group (best effort: a restarted engine was never in it)."""
+    def quantized_linears(self) -> list[set[str]]:
         import ray
 
-        for host in self.hosts:
-            try:
-                ray.get(host.leave_weight_group.remote(group_name))
-            except Exception:  # noqa: BLE001 - the group is being replaced anyway
-                pass
-
-    def broadcast(self, sender, specs: list, version: str, group_name: str) -> float:
-        """A broadcast push of the buckets `sender` (the trainer's rank 0) has staged, described by `specs`:
-        every engine validates the specs first (a bad spec stops the push before anything moves), then
-        receives while the sender broadcasts. Returns the seconds taken."""
-        import ray
-
-        start = time.perf_counter()
-        ray.get([host.check_specs.remote(specs) for host in self.hosts])
-        sent = sender.send_weights.remote()
-        self._gather({i: host.receive.remote(specs, version, group_name) for i, host in enumerate(self.hosts)})
-        ray.get(sent)
-        return time.perf_counter() - start
+        return ray.get([host.quantized_linears.remote() for host in self.hosts])
 
     def _gather(self, futures: dict[int, Any]) -> list:
         """Results of the hosts' calls, in order; EngineFailure names the first engine that failed."""

@@ -1,10 +1,42 @@
 """Per-step metrics: appended to `metrics.jsonl` (the record the report and a resumed run read), mirrored to
-TensorBoard, and to Weights & Biases when a project is configured."""
+TensorBoard, and to Weights & Biases when a project is configured. And the run's log files: every process of
+a run writes what it prints (third-party warnings included) to its own file in `logging.dir`, so that the
+console keeps the progress bar and qurl's own one-line events."""
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import sys
 from pathlib import Path
+
+
+def redirect_output(path: str | Path) -> Path:
+    """Send this process's stdout and stderr (file descriptors 1 and 2, so child processes and C libraries
+    too) to the end of `path`. For the run's actors, whose output nobody watches live."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return path
+
+
+def warnings_to_file(path: str | Path) -> logging.Handler:
+    """Route Python warnings of this process to `path` instead of the console; returns the handler (remove
+    it from the `py.warnings` logger to undo)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    logger = logging.getLogger("py.warnings")
+    logger.addHandler(handler)
+    logger.propagate = False
+    logging.captureWarnings(True)
+    return handler
 
 
 class MetricsLog:

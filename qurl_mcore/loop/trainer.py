@@ -22,39 +22,17 @@ import math
 import os
 import time
 from dataclasses import asdict
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from qurl_mcore.config import Config
+from qurl_mcore.models import resolve_model_path
 from qurl_mcore.rl.losses import policy_loss
-from qurl_mcore.rl.metrics import masked_mean
 
 from .batch import TrainBatch
-
-#: rollout precision -> (format, granularity) whose codes the update-capture metric compares
-CAPTURE_FORMATS = {"int8": ("int8", "channel"), "fp8": ("fp8_e4m3", "channel")}
-
-
-def resolve_model_path(path: str) -> Path:
-    """`model.path` as an HF checkpoint directory; "smollm2" is the packaged SmolLM2-135M-Instruct and
-    "tiny-<arch>" a tiny random model (tests)."""
-    if path == "smollm2":
-        from qurl_mcore.models.smollm2 import hf_checkpoint
-
-        return hf_checkpoint()
-    if path.startswith("tiny-"):
-        from qurl_mcore.models.tiny import tiny_checkpoint
-
-        return tiny_checkpoint(path.removeprefix("tiny-"))
-    out = Path(path)
-    if not (out / "config.json").is_file():
-        raise FileNotFoundError(f"model.path {path}: no config.json there; give an HF checkpoint directory, "
-                                "'smollm2', or 'tiny-<llama|qwen2|qwen3|qwen3_moe>'")
-    return out
-
+from .tracking import redirect_output
 
 def _normaliser(mask: torch.Tensor, agg: str) -> float:
     if agg == "token_mean":
@@ -69,11 +47,14 @@ def _is_expert(param: torch.nn.Parameter) -> bool:
 
 
 class PolicyTrainer:
-    """One rank of the actor: a Megatron GPTModel (the configured precision recipe, UAQ-scaled when on), a
-    frozen reference copy when a KL term is on, and AdamW."""
+    """One rank of the actor: a Megatron GPTModel (the trainer side of the configured precision, UAQ-scaled
+    when on), a frozen reference copy when a KL term is on, AdamW, and the clients of the engines this rank
+    pushes weights to."""
 
     def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None):
+                 master_port: int | None = None, log_file: str | None = None):
+        if log_file:  # an actor of a run: its output (Megatron's warnings included) goes to the run's logs
+            redirect_output(log_file)
         from qurl_mcore.megatron import apply_uaq, build_gpt, init_parallel, load_hf_weights
         from qurl_mcore.megatron.models import load_hf_config
 
@@ -90,8 +71,9 @@ class PolicyTrainer:
         self.rank = rank
         self.hf_dir = resolve_model_path(cfg.model.path)
         self.hf = load_hf_config(self.hf_dir)
-        fmt = cfg.rollout.fp4_format if t.recipe.startswith("fp4") else None
-        self.model = build_gpt(self.hf_dir, recipe=t.recipe, scope=cfg.rollout.scope, fmt=fmt)
+        self.device = torch.device("cpu")
+        precision, scope, fmt = cfg.resolved_precision()
+        self.model = build_gpt(self.hf_dir, precision=precision.name, scope=scope, fmt=fmt)
         load_hf_weights(self.model, self.hf_dir)
         if cfg.uaq.enabled:
             # training runs in the rescaled parameterisation, so every update is s times larger relative to
@@ -99,15 +81,16 @@ class PolicyTrainer:
             apply_uaq(self.model, cfg.uaq.scale)
         self.ref = None
         if t.kl_coef > 0:
-            self.ref = build_gpt(self.hf_dir, recipe=t.recipe, scope=cfg.rollout.scope, fmt=fmt)
+            self.ref = build_gpt(self.hf_dir, precision=precision.name, scope=scope, fmt=fmt)
             load_hf_weights(self.ref, self.hf_dir)
             self.ref.requires_grad_(False).eval()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                                            betas=(0.9, 0.999), eps=1e-8)
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
+        self.engine_ids: list[int] = []  # the engines this rank pushes to (connect_engines)
+        self.engines: list = []  # their clients
         self.sender = None  # rank 0 of the weight broadcast group (disaggregated layout)
-        self.staged: list | None = None  # buckets awaiting send_weights
 
     # -- log-probs ------------------------------------------------------------------------------------------
     def _pad_width(self, batch: TrainBatch) -> TrainBatch:
@@ -136,70 +119,78 @@ class PolicyTrainer:
         """One optimizer step on the policy loss. π_prox is the policy before this step's update: the batch
         takes a single optimizer step, so π_prox equals the training forward's own log-probs (detached) and
         costs no extra pass; π_ref (KL term on) is a no-grad pass of the frozen reference.
-        Returns metrics; a non-finite loss or gradient skips the update (`train/skipped` = 1)."""
-        t = self.cfg.train
+        Returns metrics; a non-finite loss or gradient skips the update (`train/skipped_nonfinite` = 1)."""
         start = time.perf_counter()
         full = self._pad_width(batch)
-        norm = _normaliser(full.response_mask, t.agg)
         local = full.select(slice(self.dp_rank, None, self.dp_size))
         ref = self._no_grad_logprobs(self.ref, local) if self.ref is not None else None
         t_ref = time.perf_counter()
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        weights = 0.0
-        nonfinite = False
-        size = t.micro_batch_size
-        for i, mb in enumerate(local.micro_batches(size)):
-            rows = slice(i * size, (i + 1) * size)
-            out = self._logprobs(self.model, mb, grad=True)
-            weight = _normaliser(mb.response_mask, t.agg) / norm
-            if weight == 0:
-                continue
-            prox = out.logprobs.detach()
-            inputs = (out.logprobs, mb.behav_logprobs) + (() if ref is None else (ref[rows],))
-            if not all(torch.isfinite(x[mb.response_mask]).all() for x in inputs):
-                nonfinite = True  # e.g. an engine's -inf behaviour log-prob: skip the step, keep the run
-                break
-            loss, metrics = policy_loss(
-                out.logprobs, prox, mb.behav_logprobs, mb.advantages, mb.response_mask, method=t.loss,
-                eps_low=t.eps_low, eps_high=t.eps_high, tis_cap=t.tis_cap, agg=t.agg,
-                ref_logprobs=None if ref is None else ref[rows], kl_coef=t.kl_coef, kl_estimator=t.kl_estimator,
-                entropy=out.entropy, entropy_coef=t.entropy_coef)
-            (loss * weight).backward()
-            weights += weight
-            for key, value in metrics.items():
-                sums[key] = max(sums.get(key, -math.inf), value) if key.endswith("/max") else \
-                    sums.get(key, 0.0) + weight * value
+        metrics, weight, nonfinite = self._forward_backward(local, ref, _normaliser(full.response_mask, self.cfg.train.agg))
         if nonfinite:  # NaN gradients reach every rank through the reductions below, so all ranks skip
             for p in self.model.parameters():
                 p.grad = torch.full_like(p, math.nan)
         self._sync_grads()
-        metrics = {k: (v if k.endswith("/max") else v / weights) for k, v in sums.items()} if weights else {}
-        metrics = self._reduce_metrics(metrics, weights)
+        metrics = self._reduce_metrics(metrics, weight)
         grad_norm = self._grad_norm()
-        loss_finite = all(math.isfinite(v) for k, v in metrics.items() if k.startswith("loss/"))
-        skipped = nonfinite or not (math.isfinite(grad_norm) and loss_finite)
-        capture = self._capture_before() if not skipped else None
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            if t.grad_clip > 0 and grad_norm > t.grad_clip:
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(t.grad_clip / (grad_norm + 1e-6))
-            self.optimizer.step()
+        skipped = nonfinite or not math.isfinite(grad_norm) or \
+            not all(math.isfinite(v) for k, v in metrics.items() if k.startswith("loss/"))
+        capture = None if skipped else self._capture_before()
+        self._update(grad_norm, skipped)
         end = time.perf_counter()
-        tokens = float(full.attention_mask.sum())
         metrics.update({
-            "train/grad_norm": grad_norm, "train/skipped": float(skipped), "train/lr": t.lr,
+            "train/grad_norm": grad_norm, "train/skipped_nonfinite": float(skipped), "train/lr": self.cfg.train.lr,
             "time/ref_logprobs": t_ref - start, "time/train": end - t_ref,
-            "perf/train_tokens_per_s": tokens / max(end - start, 1e-9),
+            "perf/train_tokens_per_s": float(full.attention_mask.sum()) / max(end - start, 1e-9),
             "train/response_tokens": float(full.response_mask.sum()),
         })
         if capture is not None:
             metrics["uaq/update_capture"] = self._capture_after(capture)
         return metrics
+
+    def _forward_backward(self, local: TrainBatch, ref: torch.Tensor | None,
+                          norm: float) -> tuple[dict[str, float], float, bool]:
+        """Gradients of this rank's rows, micro-batch by micro-batch, each loss weighted by its share `w` of
+        the global normaliser `norm`. Returns (metrics as w-weighted means, the sum of w, whether an input
+        was non-finite: then the backward stops early)."""
+        t = self.cfg.train
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        total = 0.0
+        for i, mb in enumerate(local.micro_batches(t.micro_batch_size)):
+            rows = slice(i * t.micro_batch_size, (i + 1) * t.micro_batch_size)
+            out = self._logprobs(self.model, mb, grad=True)
+            weight = _normaliser(mb.response_mask, t.agg) / norm
+            if weight == 0:
+                continue
+            ref_mb = None if ref is None else ref[rows]
+            inputs = (out.logprobs, mb.behav_logprobs) + (() if ref_mb is None else (ref_mb,))
+            if not all(torch.isfinite(x[mb.response_mask]).all() for x in inputs):
+                return {}, total, True  # e.g. an engine's -inf behaviour log-prob: skip the step, keep the run
+            loss, metrics = policy_loss(
+                out.logprobs, out.logprobs.detach(), mb.behav_logprobs, mb.advantages, mb.response_mask,
+                method=t.loss, eps_low=t.eps_low, eps_high=t.eps_high, tis_cap=t.tis_cap, agg=t.agg,
+                ref_logprobs=ref_mb, kl_coef=t.kl_coef, kl_estimator=t.kl_estimator,
+                entropy=out.entropy, entropy_coef=t.entropy_coef)
+            (loss * weight).backward()
+            total += weight
+            for key, value in metrics.items():
+                sums[key] = max(sums.get(key, -math.inf), value) if key.endswith("/max") else \
+                    sums.get(key, 0.0) + weight * value
+        means = {k: (v if k.endswith("/max") else v / total) for k, v in sums.items()} if total else {}
+        return means, total, False
+
+    def _update(self, grad_norm: float, skipped: bool) -> None:
+        """Clip to `train.grad_clip` and step, or drop the gradients of a skipped step."""
+        clip = self.cfg.train.grad_clip
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        if clip > 0 and grad_norm > clip:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(clip / (grad_norm + 1e-6))
+        self.optimizer.step()
 
     def _reduce_metrics(self, metrics: dict[str, float], weight: float) -> dict[str, float]:
         """Weighted means over DP ranks (each rank's weight is its share of the normaliser)."""
@@ -250,61 +241,103 @@ class PolicyTrainer:
 
     # -- update capture (QuRL §4.3) ---------------------------------------------------------------------------
     def _capture_before(self):
-        from qurl_mcore.megatron import quantized_weights
+        """The rollout codes' inputs before the update: the weights of the linears the engines quantize."""
+        from qurl_mcore.megatron import linear_group, quantized_weights
+        from qurl_mcore.precision import quantizes, rollout_spec
 
-        fmt = CAPTURE_FORMATS.get(self.cfg.rollout.precision)
-        return (fmt, quantized_weights(self.model)) if fmt and self.cfg.logging.update_capture else None
+        precision, scope, fmt = self.cfg.resolved_precision()
+        if precision.rollout is None or not self.cfg.logging.update_capture:
+            return None
+        in_scope = lambda name: (g := linear_group(name)) is not None and quantizes(scope, g)  # noqa: E731
+        return rollout_spec(precision.rollout, fmt), quantized_weights(self.model, in_scope)
 
     def _capture_after(self, capture) -> float:
         """Share of rollout-quantized weight codes this update changed (this rank's shards)."""
         from qurl_mcore.megatron import quantized_weights
         from qurl_mcore.uaq import update_capture_ratio
 
-        (fmt, granularity), before = capture
-        return update_capture_ratio(before, quantized_weights(self.model), fmt, granularity)
+        spec, before = capture
+        after = quantized_weights(self.model, lambda name: name in before)
+        return update_capture_ratio(before, after, spec.fmt, spec.weight_granularity)
+
+    def quantized_linears(self) -> set[str]:
+        """HF module names of the linears this rank's model quantizes (the loop checks them)."""
+        from qurl_mcore.megatron import quantized_linears
+
+        return quantized_linears(self.model, self.hf)
 
     # -- weights for the rollout engines ----------------------------------------------------------------------
-    def export(self, bucket_bytes: int, dtype: str = "bfloat16") -> list | None:
-        """HF-named tensors in buckets, as the engines load them (UAQ-scaled when UAQ is on: the trainer's
-        parameters already are). Collective: every rank calls it; rank 0 gets the buckets, the others None."""
-        from qurl_mcore.megatron import export_hf_weights
+    def connect_engines(self, endpoints: list[tuple[str, str | None]]) -> None:
+        """Attach to the engines this rank pushes to, given every engine's (url, api key) in engine order:
+        colocated, rank i pushes to engine i (they share a node: tensors travel by shared memory or CUDA
+        IPC); disaggregated, rank 0 pushes to every engine by broadcast. Called again after a restart."""
+        from qurl_mcore.rollout import HttpEngine
 
-        out = list(export_hf_weights(self.model, self.hf, bucket_bytes=bucket_bytes, dtype=getattr(torch, dtype)))
-        return out if self.rank == 0 else None
+        from .rollout import engine_config
 
-    # broadcast pushes (disaggregated layout): rank 0 is rank 0 of a weight group with every engine's TP ranks
-    def rendezvous(self) -> tuple[str, int]:
-        """An address of this rank's node and a free port there, for the weight group's TCP rendezvous."""
+        if self.cfg.layout == "colocated":
+            self.engine_ids = [self.rank] if self.rank < len(endpoints) else []
+        else:
+            self.engine_ids = list(range(len(endpoints))) if self.rank == 0 else []
+        config = engine_config(self.cfg, str(self.hf_dir), self.device.type)
+        self.engines = [HttpEngine(config, endpoints[i][0], api_key=endpoints[i][1]) for i in self.engine_ids]
+
+    def open_weight_group(self, group_name: str, backend: str, timeout: float) -> str:
+        """Rank 0, disaggregated: a weight group with every engine's TP ranks, hosted on this node (blocks
+        until every engine joined). Returns the rendezvous address."""
         import ray
 
-        from qurl_mcore.megatron.parallel import free_port
+        from qurl_mcore.rollout.broadcast import open_weight_group
+        from qurl_mcore.transfer import free_port
 
-        return ray.util.get_node_ip_address(), free_port()
-
-    def open_weight_group(self, master_addr: str, master_port: int, world_size: int, group_name: str,
-                          backend: str, timeout: float) -> None:
-        """Rank 0 only: create the group as its rank 0 (blocks until every engine has joined)."""
-        from qurl_mcore.rollout.broadcast import WeightSender
-
-        self.sender = WeightSender.connect(world_size, master_addr, master_port, group_name, backend, timeout)
-
-    def stage_weights(self, bucket_bytes: int) -> list | None:
-        """Collective export (as `export`); rank 0 keeps the buckets for `send_weights` and returns their
-        specs, which the engines validate and receive by."""
-        from qurl_mcore.rollout.broadcast import WeightSender
-
-        self.staged = self.export(bucket_bytes)
-        return None if self.staged is None else WeightSender.specs(self.staged)
-
-    def send_weights(self) -> int:
-        """Rank 0: broadcast the staged buckets (the engines receive at the same time); returns their number."""
-        staged, self.staged = self.staged, None
-        return self.sender.send(staged)
+        addr = ray.util.get_node_ip_address()
+        port = free_port(addr)
+        self.sender = open_weight_group(self.engines, addr, port, group_name, backend, timeout)
+        return f"{addr}:{port}"
 
     def close_weight_group(self) -> None:
+        from qurl_mcore.rollout.broadcast import close_weight_group
+
         if self.sender is not None:
-            self.sender.close()
+            close_weight_group(self.sender, self.engines)
             self.sender = None
+
+    def push_weights(self, version: str, only: list[int] | None = None) -> float:
+        """Stream this rank's weights to its engines as weight `version` (of `only` those engines, if
+        given), one bucket at a time: the HF-named export (UAQ-scaled when UAQ is on: the trainer's
+        parameters already are) gathers each bucket just before it goes out. Collective: every rank
+        iterates the whole export, also after its own engine failed. Returns the seconds taken; raises
+        EngineFailure naming the engine that failed."""
+        from qurl_mcore.megatron import export_hf_weights
+        from qurl_mcore.rollout.broadcast import broadcast_weights
+        from qurl_mcore.rollout.engine import WeightPushError, WeightSpecError
+
+        from .rollout import EngineFailure
+
+        start = time.perf_counter()
+        r = self.cfg.rollout
+        bucket_bytes = r.push_bucket_mb << 20
+        stream = export_hf_weights(self.model, self.hf, bucket_bytes=bucket_bytes, dtype=getattr(torch, r.dtype))
+        targets = [k for k, i in enumerate(self.engine_ids) if only is None or i in only]
+        failure: Exception | None = None
+        try:
+            if self.sender is not None:
+                broadcast_weights(self.sender, self.engines, stream, version)
+            elif targets:
+                (k,) = targets
+                self.engines[k].push_weights((nt for bucket in stream for nt in bucket), version,
+                                             bucket_bytes=bucket_bytes)
+        except WeightSpecError:
+            raise  # our export disagrees with the checkpoint: no engine restart fixes that
+        except Exception as err:  # noqa: BLE001 - a transport or engine error: that engine restarts
+            k = err.engine if isinstance(err, WeightPushError) and err.engine is not None else targets[0]
+            failure = EngineFailure(self.engine_ids[k], f"weight push: {type(err).__name__}: {err}"[:2000])
+        finally:
+            for _ in stream:  # the export gathers shards from every rank: finish it with the others
+                pass
+        if failure is not None:
+            raise failure
+        return time.perf_counter() - start
 
     # -- checkpoints --------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Megatron-Core integration: CPU compatibility, recipe-quantized linears through ModuleSpec, the GPT spec
+"""Megatron-Core integration: CPU compatibility, precision-quantized linears through ModuleSpec, the GPT spec
 builder, HF <-> Megatron weights, UAQ, and per-token log-probs. See docs/megatron.md."""
 from .convert import NAME_TABLE, export_hf_weights, load_hf_weights, read_hf_state
 from .cpu_compat import apply_cpu_compat
@@ -6,13 +6,12 @@ from .layers import QuantColumnParallelLinear, QuantRowParallelLinear, SequenceP
 from .logprobs import TokenLogProbs, token_logprobs
 from .models import build_gpt, gpt_config
 from .parallel import destroy_parallel, init_parallel, spawn
-from .recipes import RECIPES, SCOPES, linear_spec
-from .spec import gpt_spec
+from .spec import gpt_spec, linear_group, quantized_linears
 from .uaq import apply_uaq, quantized_weights, update_capture
 
 __all__ = [
-    "NAME_TABLE", "QuantColumnParallelLinear", "QuantRowParallelLinear", "RECIPES", "SCOPES",
+    "NAME_TABLE", "QuantColumnParallelLinear", "QuantRowParallelLinear",
     "SequenceParallelNorm", "TokenLogProbs", "apply_cpu_compat", "apply_uaq", "build_gpt", "destroy_parallel",
-    "export_hf_weights", "gpt_config", "gpt_spec", "init_parallel", "linear_spec", "load_hf_weights",
-    "quantized_weights", "read_hf_state", "spawn", "token_logprobs", "update_capture",
+    "export_hf_weights", "gpt_config", "gpt_spec", "init_parallel", "linear_group", "load_hf_weights",
+    "quantized_linears", "quantized_weights", "read_hf_state", "spawn", "token_logprobs", "update_capture",
 ]

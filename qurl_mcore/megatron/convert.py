@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from qurl_mcore.rollout.buckets import buckets
+from qurl_mcore.transfer import buckets
 from qurl_mcore.uaq import uaq_scale_hf
 
 from .models import load_hf_config
@@ -195,6 +195,24 @@ def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _sources(rules: list[tuple[Rule, re.Pattern]], name: str, where: _Placement) -> tuple[Rule, list[str]]:
+    """The rule of Megatron parameter `name` (this rank's naming) and the HF tensor names it is made of."""
+    match = next(((r, m) for r, p in rules if (m := p.match(name))), None)
+    if match is None:
+        raise KeyError(f"Megatron parameter {name} has no entry in the name table")
+    rule, m = match
+    layer = int(m["layer"]) if "layer" in m.groupdict() else None
+    expert = where.ep_rank * where.local_experts + int(m["expert"]) if _is_expert(rule) else None
+    return rule, [_fill(t, layer, expert) for t in rule.hf]
+
+
+def hf_names(model, hf_config, param_name: str) -> list[str]:
+    """The HF tensor names Megatron parameter `param_name` of this rank's `model` is made of (an expert
+    shard names its global expert)."""
+    rules = [(r, _pattern(r.megatron)) for r in name_table(hf_config)]
+    return _sources(rules, param_name, _placement(model))[1]
+
+
 def load_hf_weights(model, hf_dir: str | Path, state: Mapping[str, torch.Tensor] | None = None) -> None:
     """Copy an HF checkpoint (directory `hf_dir`, tensors from `state` if given) into this rank's shards of
     `model`, cast to the parameters' dtype. Raises if a parameter has no source or an HF tensor is unused
@@ -206,17 +224,8 @@ def load_hf_weights(model, hf_dir: str | Path, state: Mapping[str, torch.Tensor]
     used: set[str] = set()
     params = dict(model.named_parameters())
     for name, param in params.items():
-        match = next(((r, m) for r, p in rules if (m := p.match(name))), None)
-        if match is None:
-            raise KeyError(f"Megatron parameter {name} has no entry in the name table")
-        rule, m = match
-        layer = int(m["layer"]) if "layer" in m.groupdict() else None
-        expert = None
-        group = where.tp_group
-        if _is_expert(rule):
-            expert = where.ep_rank * where.local_experts + int(m["expert"])
-            group = where.etp_group
-        names = [_fill(t, layer, expert) for t in rule.hf]
+        rule, names = _sources(rules, name, where)
+        group = where.etp_group if _is_expert(rule) else where.tp_group
         missing = [n for n in names if n not in state]
         if missing:
             raise KeyError(f"{name} needs {missing}, absent from the HF checkpoint")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+from qurl_mcore.models import ARCHITECTURES
 
 
 def load_hf_config(hf: Any):
@@ -96,19 +96,24 @@ def gpt_config(hf_config, **overrides: Any):
 
 
 def build_gpt(
-    hf_config, *, recipe: str = "bf16", scope: str = "experts", fmt: str | None = None, **overrides: Any
+    hf_config, *, precision: str = "bf16", scope: str = "auto", fmt: str | None = None, **overrides: Any
 ):
     """A randomly initialised GPTModel shaped like `hf_config` (object or checkpoint dir), its linears
-    following `recipe`/`scope`/`fmt` (see `gpt_spec`). Load weights with `convert.load_hf_weights`."""
+    following the trainer side of `precision` under `scope`/`fmt` (see `gpt_spec`). Load weights with
+    `convert.load_hf_weights`. FP8 training on Transformer Engine gets Megatron's fp8 settings."""
     from megatron.core.models.gpt import GPTModel
 
-    from .spec import gpt_spec
+    from qurl_mcore.precision import train_spec
+
+    from .spec import gpt_spec, te_fp8_available
 
     hf = load_hf_config(hf_config)
+    if train_spec(precision, fmt).weight_granularity == "tensor" and te_fp8_available():
+        overrides = {"fp8": "e4m3", "fp8_recipe": "tensorwise", **overrides}
     config = gpt_config(hf, **overrides)
     return GPTModel(
         config=config,
-        transformer_layer_spec=gpt_spec(config, recipe=recipe, scope=scope, fmt=fmt),
+        transformer_layer_spec=gpt_spec(config, precision=precision, scope=scope, fmt=fmt),
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from qurl_mcore.transfer import comm_backend, free_port
+
 from .cpu_compat import apply_cpu_compat
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_parallel(
@@ -49,8 +42,7 @@ def init_parallel(
             if world_size != 1:
                 raise RuntimeError("MASTER_PORT is not set; every rank needs the same rendezvous port")
             os.environ["MASTER_PORT"] = str(free_port())
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(comm_backend(), rank=rank, world_size=world_size)
     if expert_tensor_parallel is None:
         expert_tensor_parallel = 1 if expert_parallel > 1 else tensor_parallel
     parallel_state.initialize_model_parallel(

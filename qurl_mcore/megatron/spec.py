@@ -1,54 +1,92 @@
-"""`gpt_spec`: the GPT block spec (dense or MoE) of a precision recipe and scope, derived from Megatron's
-local spec (`get_gpt_layer_local_spec`) by swapping only the linears the scope names.
+"""`gpt_spec`: the GPT block spec (dense or MoE) of a precision and scope (`qurl_mcore.precision`), derived
+from Megatron's local spec (`get_gpt_layer_local_spec`) by swapping only the linears of the groups the scope
+quantizes. The slots of each group:
 
-Scopes:
-  experts — the routed experts' fc1/fc2 (MoEResQ's default). A dense model's MLP is its one "expert", so
-            for dense models this scope means the MLP.
-  all     — additionally the attention projections (linear_qkv, linear_proj) and any shared experts.
+  attention       self_attention.linear_qkv, self_attention.linear_proj
+  mlp             mlp.linear_fc1, mlp.linear_fc2                    (dense models)
+  experts         mlp.experts.local_experts.{e}.linear_fc1/fc2      (MoE)
+  shared_experts  mlp.shared_experts.linear_fc1/fc2                 (MoE with shared experts)
 Routers, norms, embeddings and the output layer are never quantized (GPTModel builds the last two itself).
+A precision that trains in full precision (bf16, and QuRL's int8/fp8) keeps every stock linear.
 """
 from __future__ import annotations
 
+import importlib.util
+import re
+
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from qurl_mcore.precision import get_precision, quantizes, resolve, train_spec
+
 from .layers import QuantColumnParallelLinear, QuantRowParallelLinear, SequenceParallelNorm
-from .recipes import SCOPES, linear_spec, te_fp8_available
+
+#: Megatron parameter name -> linear group (the table of the module docstring)
+_GROUP_OF = tuple((re.compile(p), g) for p, g in (
+    (r"\.self_attention\.linear_(qkv|proj)\.weight$", "attention"),
+    (r"\.mlp\.experts\.local_experts\.\d+\.linear_fc[12]\.weight$", "experts"),
+    (r"\.mlp\.shared_experts\.linear_fc[12]\.weight$", "shared_experts"),
+    (r"\.mlp\.linear_fc[12]\.weight$", "mlp"),
+))
 
 
-def _linears(recipe: str, fmt: str | None) -> tuple[object, object]:
-    """(column, row) linear specs of a quantized recipe."""
-    if recipe == "fp8" and te_fp8_available():  # GPU: TE kernels, under the fp8_autocast Megatron enters
+def linear_group(param_name: str) -> str | None:
+    """The linear group (`qurl_mcore.precision.GROUPS`) of a Megatron weight, None for weights no scope
+    quantizes (router, norms, embedding, output layer)."""
+    return next((g for p, g in _GROUP_OF if p.search(param_name)), None)
+
+
+def quantized_linears(model, hf_config) -> set[str]:
+    """HF module names (without `.weight`) of the linears this rank's `model` quantizes: the ones built
+    from a quantized spec (`gpt_spec`), compare `qurl_mcore.precision.quantized_linears`."""
+    from .convert import hf_names
+
+    kinds: tuple[type, ...] = (QuantColumnParallelLinear, QuantRowParallelLinear)
+    if te_fp8_available():
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+
+        kinds += (TEColumnParallelLinear, TERowParallelLinear)
+    return {hf.removesuffix(".weight") for name, module in model.named_modules()
+            if isinstance(module, kinds) and (not hasattr(module, "quant") or module.quant.quantized)
+            for hf in hf_names(model, hf_config, f"{name}.weight")}
+
+
+def te_fp8_available() -> bool:
+    """Whether FP8 training runs on Transformer Engine (a CUDA device and TE importable) rather than on the
+    `qurl_mcore.quant` emulation."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def _linears(precision: str, fmt: str | None) -> tuple[object, object]:
+    """(column, row) linear specs of a precision that trains quantized."""
+    spec = train_spec(precision, fmt)
+    if spec.weight_granularity == "tensor" and te_fp8_available():  # TE kernels under Megatron's fp8_autocast
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
 
         return TEColumnParallelLinear, TERowParallelLinear
-    quant = linear_spec(recipe, fmt)
-    return (ModuleSpec(module=QuantColumnParallelLinear, params={"quant": quant}),
-            ModuleSpec(module=QuantRowParallelLinear, params={"quant": quant}))
+    return (ModuleSpec(module=QuantColumnParallelLinear, params={"quant": spec}),
+            ModuleSpec(module=QuantRowParallelLinear, params={"quant": spec}))
 
 
-def _check_config(config: TransformerConfig, recipe: str) -> None:
-    if recipe == "fp8" and te_fp8_available() and config.fp8 is None:
-        raise ValueError("recipe 'fp8' on Transformer Engine needs config.fp8='e4m3' and "
+def _check_config(config: TransformerConfig, precision: str, fmt: str | None) -> None:
+    if train_spec(precision, fmt).weight_granularity == "tensor" and te_fp8_available() and config.fp8 is None:
+        raise ValueError(f"precision {precision!r} on Transformer Engine needs config.fp8='e4m3' and "
                          "config.fp8_recipe='tensorwise' so that Megatron enters fp8_autocast")
     if config.num_moe_experts and config.moe_grouped_gemm:
         raise ValueError("gpt_spec builds SequentialMLP experts; set moe_grouped_gemm=False")
 
 
-def gpt_spec(
-    config: TransformerConfig, recipe: str = "bf16", scope: str = "experts", fmt: str | None = None
-) -> TransformerBlockSubmodules:
-    """The GPT block spec for `config` with `recipe` applied to the linears `scope` selects.
-
-    Pass the result as `GPTModel(transformer_layer_spec=...)`. Recipe `bf16` is Megatron's local spec
-    unchanged (apart from the norm under sequence parallelism, which the stock torch norm refuses).
-    """
-    if scope not in SCOPES:
-        raise ValueError(f"unknown scope {scope!r}; use one of {list(SCOPES)}")
-    linear_spec(recipe, fmt)  # validate the recipe and format whatever the backend
-    _check_config(config, recipe)
+def gpt_spec(config: TransformerConfig, precision: str = "bf16", scope: str = "auto",
+             fmt: str | None = None) -> TransformerBlockSubmodules:
+    """The GPT block spec for `config` with the trainer side of `precision` applied to the linears `scope`
+    selects. Pass the result as `GPTModel(transformer_layer_spec=...)`. A full-precision trainer gets
+    Megatron's local spec unchanged (apart from the norm under sequence parallelism, which the stock torch
+    norm refuses)."""
+    _, scope, fmt = resolve(precision, scope, fmt)
+    _check_config(config, precision, fmt)
     layer = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=False,
         qk_layernorm=config.qk_layernorm, normalization=config.normalization,
@@ -60,13 +98,20 @@ def gpt_spec(
         final_norm = sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelNorm
         if config.qk_layernorm:
             attention.q_layernorm = attention.k_layernorm = SequenceParallelNorm
-    if recipe != "bf16":
-        column, row = _linears(recipe, fmt)
-        ffn = sub.mlp.submodules.experts.submodules if config.num_moe_experts else sub.mlp.submodules
-        ffn.linear_fc1, ffn.linear_fc2 = column, row
-        if scope == "all":
-            attention.linear_qkv, attention.linear_proj = column, row
-            if config.num_moe_experts:
-                shared = sub.mlp.submodules.shared_experts.submodules
-                shared.linear_fc1, shared.linear_fc2 = column, row
+    if get_precision(precision).trains_quantized:
+        column, row = _linears(precision, fmt)
+        slots = {"attention": [attention]}
+        if config.num_moe_experts:
+            slots["experts"] = [sub.mlp.submodules.experts.submodules]
+            slots["shared_experts"] = [sub.mlp.submodules.shared_experts.submodules]
+        else:
+            slots["mlp"] = [sub.mlp.submodules]
+        for group, subs in slots.items():
+            if not quantizes(scope, group):
+                continue
+            for s in subs:
+                if group == "attention":
+                    s.linear_qkv, s.linear_proj = column, row
+                else:
+                    s.linear_fc1, s.linear_fc2 = column, row
     return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=final_norm)

@@ -14,9 +14,7 @@ import torch
 
 from qurl_mcore.uaq import UAQ_EXPONENTS, update_capture_ratio
 
-#: the weights a quantized rollout engine quantizes (attention projections, MLP / expert linears)
-QUANTIZED_WEIGHT = re.compile(r"\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$")
-
+from .spec import linear_group
 
 def _scale_qkv(t: torch.Tensor, config, s: float, roles: tuple[str, str, str]) -> None:
     q_per_group = config.num_attention_heads // config.num_query_groups
@@ -67,9 +65,12 @@ def apply_uaq(model: torch.nn.Module, s: float = 1.5) -> list[str]:
     return changed
 
 
-def quantized_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Detached copies of the weights a quantized rollout engine quantizes (this rank's shards)."""
-    return {n: p.detach().clone() for n, p in model.named_parameters() if QUANTIZED_WEIGHT.search(n)}
+def quantized_weights(model: torch.nn.Module,
+                      select: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """Detached copies of this rank's shards of the weights some scope quantizes (every linear of
+    `qurl_mcore.precision.GROUPS`), or of those whose names `select` accepts."""
+    select = select or (lambda name: linear_group(name) is not None)
+    return {n: p.detach().clone() for n, p in model.named_parameters() if select(n)}
 
 
 def update_capture(

@@ -5,9 +5,30 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+#: the HF model types qurl-mcore trains and rolls out (megatron/models.py maps each to Megatron)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
 
 def cache_dir() -> Path:
     """$QURL_CACHE_DIR, else ~/.cache/qurl-mcore; created on first use."""
     path = Path(os.environ.get("QURL_CACHE_DIR") or Path.home() / ".cache" / "qurl-mcore")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def resolve_model_path(path: str) -> Path:
+    """`model.path` as an HF checkpoint directory; "smollm2" is the packaged SmolLM2-135M-Instruct and
+    "tiny-<arch>" a tiny random model (tests)."""
+    if path == "smollm2":
+        from qurl_mcore.models.smollm2 import hf_checkpoint
+
+        return hf_checkpoint()
+    if path.startswith("tiny-"):
+        from qurl_mcore.models.tiny import tiny_checkpoint
+
+        return tiny_checkpoint(path.removeprefix("tiny-"))
+    out = Path(path)
+    if not (out / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {path}: no config.json there; give an HF checkpoint directory, "
+                                "'smollm2', or 'tiny-<llama|qwen2|qwen3|qwen3_moe>'")
+    return out

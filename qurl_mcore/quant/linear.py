@@ -5,8 +5,8 @@ With RC(t) = Q(t) + Q(t - Q(t)) and Q̃ = RC or Q as the mode says:
   backward  dX = Q̃_bwd(dY) · Q(W)
             dW = Q̃_bwd(dY)ᵀ · Q̃_bwd(X)
             db = Σ_tokens dY
-Modes (the MoEResQ ablation): "bf16" (no quantization), "naive" (Q everywhere), "rc_inference" (RC in the
-forward only), "rc_training" (RC in the backward only), "rc_both" (RC in both: the symmetric recipe).
+Modes (the MoEResQ ablation): "bf16" (no quantization), "naive" (Q everywhere), "rc_forward" (RC in the
+forward only), "rc_backward" (RC in the backward only), "rc_both" (RC in both: the symmetric recipe).
 Each operand is quantized along its last dim with its own granularity (W per channel/block, X and dY per
 token/block), the simulated-quantization convention of the papers.
 """
@@ -21,7 +21,7 @@ from .formats import get_format
 from .gemm import BACKENDS, quantized_matmul
 from .qtensor import GRANULARITIES, QTensor, quantize
 
-MODES = ("bf16", "naive", "rc_inference", "rc_training", "rc_both")
+MODES = ("bf16", "naive", "rc_forward", "rc_backward", "rc_both")
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,11 @@ class QuantLinearSpec:
 
     @property
     def rc_forward(self) -> bool:
-        return self.mode in ("rc_inference", "rc_both")
+        return self.mode in ("rc_forward", "rc_both")
 
     @property
     def rc_backward(self) -> bool:
-        return self.mode in ("rc_training", "rc_both")
+        return self.mode in ("rc_backward", "rc_both")
 
 
 def make_spec(

@@ -1,25 +1,20 @@
-"""Broadcast weight pushes, the disaggregated RL layout: the trainer's rank 0 shares a torch.distributed
+"""Broadcast weight pushes (the disaggregated RL layout): the trainer's rank 0 shares a torch.distributed
 group (NCCL on GPU, gloo on CPU) with the rollout engines and broadcasts the HF-named tensors to them.
 
 The group has 1 + sum(engine TP sizes) ranks: the sender is rank 0, each engine's TP ranks follow in turn.
-Both sides of every step block until the other side takes part, so they must run at the same time (threads
-of one process, as the helpers here do, or separate processes / Ray actors):
+Both sides of every step block until the other side takes part, so the calls to the engines run in threads
+of the sending process while it broadcasts (the engines are HTTP or in-process clients):
 
-  setup     WeightSender.connect(...)         with  engine.join_weight_group(...) for every engine
-  per push  WeightSender.send(buckets)        with  engine.receive_weights(specs, version, group_name)
-  teardown  WeightSender.close()              and   engine.leave_weight_group(group_name)
+  open_weight_group(engines, ...)          the sender creates the group while every engine joins it
+  broadcast_weights(sender, engines, ...)  one push, streamed bucket by bucket
+  close_weight_group(sender, engines)      every engine leaves, the sender destroys the group
 
-`open_weight_group`, `broadcast_weights` and `close_weight_group` run those pairs for a list of engines from
-the trainer's rank 0 (the loop drives HTTP engines that way). `broadcast_weights` streams: it holds at most
-two buckets, and checks every bucket's spec with every engine (`RolloutEngine.check_specs`) before
-broadcasting it, so a bad spec stops both sides at the same bucket and the group stays usable; an engine
-that had loaded earlier buckets is tagged `incomplete:<version>` (as after any failed push). After any other
-failure (an engine refusing a call, a transport error) the two sides may disagree on what has been sent:
-leave and re-create the group.
-
-When driving the two sides by hand, pass `receive_weights` a list of specs: it is validated whole before
-anything is received, so check it (or let `receive_weights` fail) before starting `send`, which otherwise
-waits for receivers that never come, up to the group's timeout.
+`broadcast_weights` holds one bucket at a time: it takes a bucket from its iterable (e.g. the trainer's
+`export_hf_weights`, which gathers it just then), checks its spec with every engine (`check_specs`: a bad
+spec stops the push before anything of that bucket moves), hands the spec to every engine's receiving
+session and broadcasts it. An engine that fails is named (`WeightPushError.engine`); an engine that had
+loaded earlier buckets is tagged `incomplete:<version>` (as after any failed push). After a failure the two
+sides may disagree on what has been sent: leave and re-create the group.
 """
 from __future__ import annotations
 
@@ -30,19 +25,11 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from .buckets import NamedTensor
-from .engine import BucketSpec, RolloutEngine, WeightPushError
+from qurl_mcore.transfer import NamedTensor, comm_backend
+
+from .engine import BucketSpec, RolloutEngine, WeightPushError, bucket_spec
 
 DEFAULT_GROUP = "qurl-weights"
-
-
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def bucket_spec(bucket: Iterable[NamedTensor]) -> list[tuple[str, str, list[int]]]:
-    """(name, dtype name, shape) of each tensor, the receiving side's `update_weights_from_distributed` args."""
-    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in bucket]
 
 
 class WeightSender:
@@ -60,44 +47,29 @@ class WeightSender:
         broadcast too."""
         from sglang.srt.utils import init_custom_process_group
 
-        backend = backend or default_backend()
+        backend = backend or comm_backend()
         group = init_custom_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
                                           world_size=world_size, rank=0, group_name=group_name,
                                           timeout=datetime.timedelta(seconds=timeout))
         return cls(group, group_name, backend, world_size)
 
-    @staticmethod
-    def specs(buckets: Iterable[Iterable[NamedTensor]]) -> list[list[tuple[str, str, list[int]]]]:
-        """The per-bucket specs an engine's `receive_weights` takes for `send(buckets)` of the same buckets."""
-        return [bucket_spec(bucket) for bucket in buckets]
-
-    def send(self, buckets: Iterable[Iterable[NamedTensor]]) -> int:
-        """Broadcast every tensor of every bucket, in order (one bucket in flight). Returns the number of
-        non-empty buckets, which is the number of `update_weights_from_distributed` calls it answers."""
-        count = 0
-        for bucket in buckets:
-            tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
-            for work in [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]:
-                work.wait()
-            count += bool(tensors)
-        return count
+    def send(self, bucket: Iterable[NamedTensor]) -> None:
+        """Broadcast every tensor of one bucket, in order."""
+        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+        for work in [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]:
+            work.wait()
 
     def close(self) -> None:
         if self.group is not None:
             torch.distributed.destroy_process_group(self.group)
             self.group = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 def _together(main: Callable[[], Any], others: Sequence[Callable[[], Any]],
               errors: list[BaseException | None] | None = None) -> Any:
-    """Run `main` here and each of `others` in a thread (their exceptions land in `errors` as they happen);
-    join all and raise the first error of the others, else main's."""
+    """Run `main` here and each of `others` in a thread (the exception of `others[i]` lands in `errors[i]`
+    as it happens); join all and raise the first error of the others as WeightPushError naming engine i,
+    else main's error."""
     errors = [None] * len(others) if errors is None else errors
     errors[:] = [None] * len(others)
 
@@ -110,15 +82,19 @@ def _together(main: Callable[[], Any], others: Sequence[Callable[[], Any]],
     threads = [threading.Thread(target=run, args=(i, fn), daemon=True) for i, fn in enumerate(others)]
     for t in threads:
         t.start()
+    main_error: BaseException | None = None
+    result = None
     try:
         result = main()
     except BaseException as e:  # noqa: BLE001 -- raised below, after the joins
-        errors.append(e)
+        main_error = e
     for t in threads:
         t.join()
-    for e in errors:
-        if e is not None:
-            raise e
+    for i, e in enumerate(errors):
+        if e is not None and e is not main_error:  # an engine's own failure, not main's handed on to it
+            raise WeightPushError(f"engine {i}: {type(e).__name__}: {e}", engine=i) from e
+    if main_error is not None:
+        raise main_error
     return result
 
 
@@ -126,7 +102,7 @@ def open_weight_group(engines: Sequence[RolloutEngine], master_addr: str, master
                       group_name: str = DEFAULT_GROUP, backend: str | None = None,
                       timeout: float = 1800.0) -> WeightSender:
     """Connect a sender and every engine (TP ranks in list order) in one group; returns the sender."""
-    backend = backend or default_backend()
+    backend = backend or comm_backend()
     offsets = [1 + sum(e.tp_size for e in engines[:i]) for i in range(len(engines))]
     world_size = 1 + sum(e.tp_size for e in engines)
     joins = [lambda e=e, o=o: e.join_weight_group(master_addr, master_port, o, world_size, group_name, backend)
@@ -137,9 +113,9 @@ def open_weight_group(engines: Sequence[RolloutEngine], master_addr: str, master
 
 def broadcast_weights(sender: WeightSender, engines: Sequence[RolloutEngine],
                       buckets: Iterable[Iterable[NamedTensor]], version: str) -> int:
-    """One broadcast push of `buckets` (e.g. `megatron.convert.export_hf_weights(...)`, consumed once) into
-    every engine as weight `version`: the engines receive in threads while this thread iterates the buckets
-    and broadcasts them. Returns the number of buckets."""
+    """One broadcast push of `buckets` (consumed once, one bucket at a time) into every engine as weight
+    `version`: the engines receive in threads while this thread takes each bucket and broadcasts it.
+    Returns the number of buckets."""
     feeds: list[queue.Queue] = [queue.Queue() for _ in engines]
     failed: list[BaseException | None] = []
 
@@ -154,45 +130,38 @@ def broadcast_weights(sender: WeightSender, engines: Sequence[RolloutEngine],
             feed.put(item)
 
     def stream() -> int:
-        # a receiver asks for bucket i only once it holds spec i + 1 (the last bucket flushes the cache), so
-        # spec i + 1 is posted before bucket i is broadcast
-        pending, count = None, 0
+        count = 0
         try:
             for bucket in buckets:
-                bucket = [(name, t) for name, t in bucket]
+                bucket = list(bucket)
                 if not bucket:
                     continue
                 spec = bucket_spec(bucket)
                 for engine in engines:
                     engine.check_specs([spec])
+                if any(e is not None for e in failed):  # the broadcast would wait for an engine that gave up
+                    raise WeightPushError("an engine failed during a broadcast push; the push stops")
                 post(spec)
-                if pending is not None:
-                    _stop_if_failed(failed)
-                    count += sender.send([pending])
-                pending = bucket
+                sender.send(bucket)
+                count += 1
         except BaseException as e:
             post(e)  # the receivers end their sessions without asking for the unsent buckets
             raise
         post(None)
-        if pending is not None:
-            _stop_if_failed(failed)
-            count += sender.send([pending])
         return count
 
     return _together(stream, [lambda e=e, f=f: e.receive_weights(specs_from(f), version, sender.group_name)
                               for e, f in zip(engines, feeds)], failed)
 
 
-def _stop_if_failed(errors: list[BaseException | None]) -> None:
-    """Do not broadcast to engines that already gave up (the broadcast would wait for its timeout)."""
-    if any(e is not None for e in errors):
-        raise WeightPushError("an engine failed during a broadcast push; the push stops")
-
-
 def close_weight_group(sender: WeightSender, engines: Sequence[RolloutEngine]) -> None:
-    """Leave the group on every engine and destroy it on the sender."""
+    """Leave the group on every engine that is in it (best effort: a restarted engine never joined) and
+    destroy it on the sender."""
     try:
         for engine in engines:
-            engine.leave_weight_group(sender.group_name)
+            try:
+                engine.leave_weight_group(sender.group_name)
+            except Exception:  # noqa: BLE001 - the group is being replaced anyway
+                pass
     finally:
         sender.close()

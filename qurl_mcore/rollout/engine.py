@@ -5,7 +5,9 @@ server (`HttpEngine`, http.py); subclasses only move requests.
 
 A weight push is one SGLang 0.5.23 update session:
   begin_weight_update          quantized layers put their writable full-precision weights back
-  update_weights_from_tensor   once per bucket (bounded bytes); the last bucket flushes the prefix cache
+  update_weights_from_tensor   once per bucket (bounded bytes), each flushing the prefix cache (nothing is
+                               generated during a push, so a flush is cheap, and no bucket waits for the
+                               next one to learn that it is the last)
   end_weight_update            quantized layers re-quantize (qurl_mcore.quant, as the trainer)
   update_weight_version        the engine tags every later response with `version`
 and is verified by reading the version back.
@@ -13,7 +15,7 @@ and is verified by reading the version back.
 In the disaggregated layout (engines on other hosts) the same session receives the tensors by broadcast
 instead: the engine joins a torch.distributed group with the trainer's rank 0 (`join_weight_group`), and
 `receive_weights` runs `update_weights_from_distributed` per bucket while the trainer broadcasts them
-(`qurl_mcore.rollout.broadcast.WeightSender`, which also has the helpers that run both sides together).
+(`qurl_mcore.rollout.broadcast`, which runs both sides together).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from .buckets import NamedTensor, buckets
+from qurl_mcore.transfer import NamedTensor, buckets, dtype_name
+
 from .config import EngineConfig
 from .results import Generation, parse
 
@@ -31,7 +34,23 @@ DEFAULT_BUCKET_BYTES = 512 << 20
 
 
 class WeightPushError(RuntimeError):
-    """The engine refused a weight update or serves a different version than the one pushed."""
+    """The engine refused a weight update or serves a different version than the one pushed; `engine` is
+    the index of the engine at fault when a push to several engines knows it."""
+
+    def __init__(self, message: str, engine: int | None = None):
+        super().__init__(message)
+        self.engine = engine
+
+    def __reduce__(self):  # crosses process boundaries inside Ray errors
+        return WeightPushError, (str(self), self.engine)
+
+
+class WeightSpecError(WeightPushError):
+    """A push names a tensor the checkpoint does not have, or gives it another shape or a non-float dtype:
+    the sender's export is wrong, not the engine (no restart fixes it)."""
+
+    def __reduce__(self):
+        return WeightSpecError, (str(self), self.engine)
 
 
 def _moe_shape(model_path: str) -> tuple[int, int] | None:
@@ -46,9 +65,10 @@ def _moe_shape(model_path: str) -> tuple[int, int] | None:
 BucketSpec = Sequence[tuple[str, str, Sequence[int]]]
 
 
-def _dtype_name(dtype: Any) -> str:
-    """"bfloat16" for torch.bfloat16 or "torch.bfloat16" or "bfloat16" (SGLang takes the bare name)."""
-    return str(dtype).removeprefix("torch.")
+def bucket_spec(bucket: Iterable[NamedTensor]) -> list[tuple[str, str, list[int]]]:
+    """(name, dtype name, shape) of each tensor of a bucket: what `check_specs` validates and what the
+    receiving side of a broadcast push passes to `update_weights_from_distributed`."""
+    return [(name, dtype_name(t.dtype), list(t.shape)) for name, t in bucket]
 
 
 def _checkpoint_shapes(model_path: str) -> dict[str, list[int]] | None:
@@ -117,8 +137,8 @@ class RolloutEngine(ABC):
 
     def _update_session(self, call: str, updates: Iterable[dict], version: str) -> int:
         """One SGLang update session: begin_weight_update, `call` with each kwargs of `updates` (one bucket
-        each; the last flushes the prefix cache), end_weight_update (re-quantization), then tag and verify
-        `version`. Returns the number of buckets.
+        each, taken from `updates` only when it is sent, so a generator streams), end_weight_update
+        (re-quantization), then tag and verify `version`. Returns the number of buckets.
 
         The session is always closed, so the engine keeps serving. If it fails once a bucket has gone in,
         the engine holds a mix of old and new weights and is tagged `incomplete:<version>`, so that no
@@ -126,15 +146,9 @@ class RolloutEngine(ABC):
         _check(self._control("begin_weight_update"), "begin_weight_update")
         count = 0
         try:
-            pending = None  # one bucket of lookahead, so that the last one is known and flushes the cache
             for kwargs in updates:
-                if pending is not None:
-                    count += 1
-                    _check(self._control(call, **pending, flush_cache=False), call)
-                pending = kwargs
-            if pending is not None:
                 count += 1
-                _check(self._control(call, **pending, flush_cache=True), call)
+                _check(self._control(call, **kwargs, flush_cache=True), call)
         except BaseException:
             _check(self._control("end_weight_update"), "end_weight_update")
             if count:
@@ -148,9 +162,15 @@ class RolloutEngine(ABC):
     def push_weights(self, named_tensors: Iterable[NamedTensor], version: str, *,
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
         """Load full-precision (HF-named) tensors into the engine as weight `version`, in buckets of at most
-        `bucket_bytes`; a subset of the weights is a valid (partial) update. Returns the number of buckets."""
-        return self._update_session("update_weights_from_tensor",
-                                    ({"named_tensors": b} for b in buckets(named_tensors, bucket_bytes)), version)
+        `bucket_bytes`, each validated (`check_specs`) before it is sent and sent as soon as it is full: a
+        generator of tensors streams, one bucket held at a time. A subset of the weights is a valid (partial)
+        update. Returns the number of buckets."""
+        def checked() -> Iterator[dict]:
+            for bucket in buckets(named_tensors, bucket_bytes):
+                self.check_specs([bucket_spec(bucket)])
+                yield {"named_tensors": bucket}
+
+        return self._update_session("update_weights_from_tensor", checked(), version)
 
     # -- broadcast pushes (disaggregated layout) ---------------------------------------------------------
     def join_weight_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
@@ -163,7 +183,7 @@ class RolloutEngine(ABC):
                              backend=backend), "init_weights_update_group")
 
     def check_specs(self, bucket_specs: Iterable[BucketSpec]) -> list[BucketSpec]:
-        """Validate a broadcast push before anything moves: every entry is (name, floating dtype, shape)
+        """Validate a push before anything moves: every entry is (name, floating dtype, shape)
         and -- when the engine's checkpoint directory holds safetensors -- every name is a checkpoint tensor
         of that shape (SGLang would skip an unknown name silently). Returns the specs as a list; raises
         WeightPushError naming the bad entries."""
@@ -184,7 +204,7 @@ class RolloutEngine(ABC):
                 except (TypeError, ValueError):
                     errors.append(f"{entry!r} is not (name, dtype, shape)")
                     continue
-                torch_dtype = getattr(torch, _dtype_name(dtype), None)
+                torch_dtype = getattr(torch, dtype_name(dtype), None)
                 if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
                     errors.append(f"{name}: dtype {dtype!r} is not a floating torch dtype")
                 if not ok_shape:
@@ -194,12 +214,12 @@ class RolloutEngine(ABC):
                 elif self._shapes and list(shape) != self._shapes[name]:
                     errors.append(f"{name}: shape {list(shape)} != checkpoint {self._shapes[name]}")
             if errors:
-                raise WeightPushError(f"bad broadcast spec ({len(errors)}): " + "; ".join(errors[:10]))
+                raise WeightSpecError(f"bad weight push ({len(errors)}): " + "; ".join(errors[:10]))
             yield bucket
 
     def receive_weights(self, bucket_specs: Iterable[BucketSpec], version: str, group_name: str) -> int:
         """Receive a broadcast push over `group_name` as weight `version`: one update session with
-        `update_weights_from_distributed` per bucket spec (`WeightSender.specs` of the buckets sent). Each
+        `update_weights_from_distributed` per bucket spec (`bucket_spec` of each bucket sent). Each
         call blocks until the sender broadcasts that bucket, so `WeightSender.send` of the same buckets must
         run at the same time, in another thread or process (`broadcast.broadcast_weights` does both).
 
@@ -209,7 +229,7 @@ class RolloutEngine(ABC):
         by bucket, for streaming: a bad bucket then ends the session early, without a version. Returns the
         number of buckets."""
         specs = self.check_specs(bucket_specs) if isinstance(bucket_specs, Sequence) else self._checked(bucket_specs)
-        updates = ({"names": [e[0] for e in bucket], "dtypes": [_dtype_name(e[1]) for e in bucket],
+        updates = ({"names": [e[0] for e in bucket], "dtypes": [dtype_name(e[1]) for e in bucket],
                     "shapes": [list(e[2]) for e in bucket], "group_name": group_name} for bucket in specs if bucket)
         return self._update_session("update_weights_from_distributed", updates, version)
 

@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from qurl_mcore.transfer import free_port
+
 from .config import EngineConfig
 from .engine import RolloutEngine
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class HttpEngine(RolloutEngine):
@@ -34,19 +29,29 @@ class HttpEngine(RolloutEngine):
         self.timeout = timeout
         self.process = process
         self.log_path = log_path
+        self.owns_log = False  # a temporary log this object removes at shutdown
+        self.api_key = api_key
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     @classmethod
     def launch(cls, config: EngineConfig, *, host: str = "127.0.0.1", port: int | None = None,
-               api_key: str | None = None, startup_timeout: float = 300.0, timeout: float = 600.0) -> "HttpEngine":
-        """Start `python -m sglang.launch_server` in its own process group and wait until it serves."""
+               api_key: str | None = None, startup_timeout: float = 300.0, timeout: float = 600.0,
+               env: dict[str, str] | None = None, log_path: str | None = None) -> "HttpEngine":
+        """Start `python -m sglang.launch_server` in its own process group, with `env` added to its
+        environment, and wait until it serves. Its output goes to the end of `log_path`, which stays; by
+        default to a temporary file, removed at shutdown unless the server failed."""
         port = port or free_port(host)
-        log = tempfile.NamedTemporaryFile("w", prefix="qurl-sglang-", suffix=".log", delete=False)
+        if log_path:
+            log = open(log_path, "a")
+        else:
+            log = tempfile.NamedTemporaryFile("w", prefix="qurl-sglang-", suffix=".log", delete=False)
         argv = [sys.executable, "-m", "sglang.launch_server", *config.server_argv(host, port, api_key)]
-        process = subprocess.Popen(argv, env={**os.environ, **config.environment()}, stdout=log,
+        process = subprocess.Popen(argv, env={**os.environ, **config.environment(), **(env or {})}, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()  # the server holds its own descriptor
         engine = cls(config, f"http://{host}:{port}", api_key=api_key, timeout=timeout, process=process,
                      log_path=log.name)
+        engine.owns_log = not log_path
         try:
             engine._wait_ready(startup_timeout)
         except BaseException:
@@ -118,6 +123,6 @@ class HttpEngine(RolloutEngine):
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=30)
-        if self.log_path and not keep_log:
+        if self.log_path and self.owns_log and not keep_log:
             os.unlink(self.log_path)
             self.log_path = None

@@ -1,6 +1,23 @@
-"""The SGLang `QuantizationConfig` behind every qurl method: which layers get which method."""
+"""The SGLang `QuantizationConfig` behind every qurl method: which layers get which method.
+
+A layer is quantized when its linear group (`qurl_mcore.precision.GROUPS`) is in the method's scope, the
+same rule the trainer's `gpt_spec` follows. SGLang's module prefixes, by group:
+
+  attention       model.layers.{i}.self_attn.qkv_proj, .o_proj
+  mlp             model.layers.{i}.mlp.gate_up_proj, .down_proj       (dense models)
+  experts         model.layers.{i}.mlp.experts                         (FusedMoE: every routed expert)
+  shared_experts  model.layers.{i}.mlp.shared_expert.gate_up_proj, .down_proj
+Every other linear (the router `mlp.gate`, anything an unsupported architecture adds) keeps the
+checkpoint's precision, as do embeddings and lm_head.
+
+With `$QURL_QUANTIZED_LOG` set, every process of the engine appends the HF module names (without `.weight`)
+of each linear it quantizes to that file, one per line: the loop compares them with the trainer's set
+before the first step (`qurl_mcore.precision.quantized_linears` is what both must equal).
+"""
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 import torch
@@ -9,17 +26,41 @@ from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
+from qurl_mcore.precision import METHODS, quantizes
+
 from .linear import QurlLinearMethod
 from .moe import QurlFusedMoEMethod
-from .options import QurlOptions
+from .options import QUANTIZED_LOG_ENV, QurlOptions
 
-#: Linear layers that stay in the checkpoint's precision under scope "all": MoE routers (MoEResQ keeps them
-#: in BF16; a flipped top-k choice costs more than the GEMM saves).
-ROUTER_SUFFIXES = (".gate", ".router")
+#: SGLang linear prefix -> (group, the HF modules it packs)
+_LINEARS = tuple((re.compile(p), g, hf) for p, g, hf in (
+    (r"\.self_attn\.qkv_proj$", "attention", ("q_proj", "k_proj", "v_proj")),
+    (r"\.self_attn\.o_proj$", "attention", ("o_proj",)),
+    (r"\.mlp\.shared_expert\.gate_up_proj$", "shared_experts", ("gate_proj", "up_proj")),
+    (r"\.mlp\.shared_expert\.down_proj$", "shared_experts", ("down_proj",)),
+    (r"\.mlp\.gate_up_proj$", "mlp", ("gate_proj", "up_proj")),
+    (r"\.mlp\.down_proj$", "mlp", ("down_proj",)),
+))
+
+
+def linear_role(prefix: str) -> tuple[str, list[str]] | None:
+    """(group, HF module names) of an SGLang linear layer's prefix; None for linears no scope quantizes."""
+    for pattern, group, hf in _LINEARS:
+        if pattern.search(prefix):
+            base = prefix.rsplit(".", 1)[0]
+            return group, [f"{base}.{name}" for name in hf]
+    return None
+
+
+def _log(names: list[str]) -> None:
+    path = os.environ.get(QUANTIZED_LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write("".join(f"{n}\n" for n in names))
 
 
 class QurlQuantConfig(QuantizationConfig):
-    """Base class of the four registered configs (one per method name, below)."""
+    """Base class of the registered configs (one per method name of `qurl_mcore.precision.METHODS`)."""
 
     method: str = ""
 
@@ -46,11 +87,17 @@ class QurlQuantConfig(QuantizationConfig):
         return cls(QurlOptions.parse(cls.method, config))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        scope = self.options.scope
         if isinstance(layer, FusedMoE):
+            if not quantizes(scope, "experts"):
+                return None  # SGLang's unquantized MoE method
+            _log([f"{prefix}.{e}.{p}" for e in range(layer.num_experts) for p in ("gate_proj", "up_proj", "down_proj")])
             return QurlFusedMoEMethod(self.options)
         if isinstance(layer, LinearBase):
-            if self.options.scope == "experts" or prefix.endswith(ROUTER_SUFFIXES):
+            role = linear_role(prefix)
+            if role is None or not quantizes(scope, role[0]):
                 return UnquantizedLinearMethod()
+            _log(role[1])
             return QurlLinearMethod(self.options)
         return None  # embeddings, lm_head: full precision
 
@@ -58,23 +105,7 @@ class QurlQuantConfig(QuantizationConfig):
         return []
 
 
-class QurlInt8Config(QurlQuantConfig):
-    method = "qurl_int8"
-
-
-class QurlFp8Config(QurlQuantConfig):
-    method = "qurl_fp8"
-
-
-class QurlFp4Config(QurlQuantConfig):
-    method = "qurl_fp4"
-
-
-class QurlFp4RcConfig(QurlQuantConfig):
-    method = "qurl_fp4_rc"
-
-
 #: method name -> the QuantizationConfig class SGLang instantiates for `--quantization <method>`
 CONFIGS: dict[str, type[QurlQuantConfig]] = {
-    cls.method: cls for cls in (QurlInt8Config, QurlFp8Config, QurlFp4Config, QurlFp4RcConfig)
+    name: type(f"QurlConfig_{name}", (QurlQuantConfig,), {"method": name}) for name in METHODS
 }

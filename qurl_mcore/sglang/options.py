@@ -1,18 +1,20 @@
 """What a qurl quantization method does, parsed from SGLang's engine arguments (no SGLang import here).
 
-A method name picks the numerics; options refine it:
+The method names and what they compute are rows of `qurl_mcore.precision.METHODS` (the table shared with
+the trainer); `spec()` is `qurl_mcore.precision.rollout_spec(method, fmt)`:
 
-  qurl_int8    W8A8 INT8: per-channel weights, per-token activations      make_spec("naive", "int8")
-  qurl_fp8     W8A8 FP8 E4M3, same granularity                            make_spec("naive", "fp8_e4m3")
-  qurl_fp4     FP4 weights and activations on their own blocks            make_spec("naive", fmt)
+  qurl_int8    W8A8 INT8: per-channel weights, per-token activations      mode naive, int8
+  qurl_fp8     W8A8 FP8 E4M3, same granularity                            mode naive, fp8_e4m3
+  qurl_fp4     FP4 weights and activations on their own blocks            mode naive, nvfp4 | mxfp4
   qurl_fp4_rc  FP4 with residual-corrected activations, Y = Q(X)Q(W)ᵀ + Q(X-Q(X))Q(W)ᵀ
-                                                                          make_spec("rc_inference", fmt)
-(`rc_inference` and `rc_both` share this forward; the rollout engine only runs forwards.)
+                                                                          mode rc_forward, nvfp4 | mxfp4
+(`rc_forward` and `rc_both` share this forward; the rollout engine only runs forwards.)
 
 Options (keys of the model's `quantization_config`, set from the engine with
 `json_model_override_args='{"quantization_config": {"quant_method": "qurl_fp4_rc", "fmt": "mxfp4"}}'`):
   fmt     FP4 methods only: "nvfp4" (default) or "mxfp4".
-  scope   "all" (default: every linear layer and the MoE experts) or "experts" (MoE experts only).
+  scope   "all" or "experts" (`qurl_mcore.precision.SCOPES`); default: the scope of the precision that
+          rolls out with this method (all for qurl_int8/qurl_fp8, experts for the FP4 methods).
           Routers, embeddings and lm_head always stay in the checkpoint's precision.
   kernel  "auto" (default: SGLang's INT8/FP8 GEMM kernels on CUDA, qurl_mcore.quant elsewhere) or
           "qurl" (always qurl_mcore.quant.quantized_linear: bitwise the trainer's forward).
@@ -24,16 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-#: method name -> (quantized-linear mode, fixed format or None when `fmt` picks an FP4 format)
-METHODS: dict[str, tuple[str, str | None]] = {
-    "qurl_int8": ("naive", "int8"),
-    "qurl_fp8": ("naive", "fp8_e4m3"),
-    "qurl_fp4": ("naive", None),
-    "qurl_fp4_rc": ("rc_inference", None),
-}
-FP4_FORMATS = ("nvfp4", "mxfp4")
-SCOPES = ("all", "experts")
+from qurl_mcore.precision import METHODS, SCOPES, default_scope, rollout_spec
+
 KERNELS = ("auto", "qurl")
+#: a file every engine process appends the HF names of the linears it quantized to (sglang/config.py)
+QUANTIZED_LOG_ENV = "QURL_QUANTIZED_LOG"
 MASTERS = ("host", "device")
 #: Keys SGLang itself adds to the dict it hands to `from_config`.
 _SGLANG_KEYS = {"quant_method", "packed_modules_mapping", "hf_config"}
@@ -51,7 +48,7 @@ class QurlOptions:
 
     method: str
     fmt: str
-    scope: str = "all"
+    scope: str
     kernel: str = "auto"
     master: str = "host"
 
@@ -67,29 +64,19 @@ class QurlOptions:
         unknown = set(config) - _SGLANG_KEYS - {"fmt", "scope", "kernel", "master"}
         if unknown:
             raise ValueError(f"unknown qurl quantization option(s) {sorted(unknown)}; use fmt, scope, kernel, master")
-        fixed = METHODS[method][1]
-        if fixed is not None:
-            if config.get("fmt", fixed) != fixed:
-                raise ValueError(f"{method} always uses {fixed}; drop fmt={config['fmt']!r}")
-            fmt = fixed
-        else:
-            fmt = _choice("fmt", config.get("fmt", "nvfp4"), FP4_FORMATS)
+        formats = METHODS[method].formats
+        if len(formats) == 1 and config.get("fmt", formats[0]) != formats[0]:
+            raise ValueError(f"{method} always uses {formats[0]}; drop fmt={config['fmt']!r}")
         return cls(
-            method, fmt,
-            scope=_choice("scope", config.get("scope", "all"), SCOPES),
+            method, _choice("fmt", config.get("fmt", formats[0]), formats),
+            scope=_choice("scope", config.get("scope", default_scope(method)), tuple(SCOPES)),
             kernel=_choice("kernel", config.get("kernel", "auto"), KERNELS),
             master=_choice("master", config.get("master", "host"), MASTERS),
         )
 
-    @property
-    def mode(self) -> str:
-        return METHODS[self.method][0]
-
     def spec(self):
-        """The shared numerics: `qurl_mcore.quant.make_spec(mode, fmt)`."""
-        from qurl_mcore.quant import make_spec
-
-        return make_spec(self.mode, self.fmt)
+        """The shared numerics: `qurl_mcore.precision.rollout_spec(method, fmt)`."""
+        return rollout_spec(self.method, self.fmt)
 
     def override_args(self) -> dict[str, Any]:
         """The `json_model_override_args` dict that selects exactly these options in an engine."""

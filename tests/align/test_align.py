@@ -1,10 +1,10 @@
 """`qurl align`: MoEResQ's Table 2 on the tiny Qwen3-MoE with real SGLang rollouts scored by real Megatron.
 
-One module-scoped run of all five recipes through the CLI (three engine starts, three Megatron models: the
+One module-scoped run of the five MoEResQ rows through the CLI (three engine starts, three Megatron models: the
 expensive part, shared by every assert below; a subprocess, so Megatron's process groups stay out of the
 test process). Scope "all" with MXFP4: on the tiny random model the experts-only scope moves only a token or
 two of layer-1 routing (docs/align.md), while quantized attention also perturbs the routers' inputs, which
-separates the recipes by wide margins.
+separates the precisions by wide margins.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 
 from qurl_mcore import align
 from qurl_mcore.cli import main
+from qurl_mcore.precision import ALIGNMENT_ROWS, PRECISIONS
 
 PROMPTS, NEW_TOKENS = 4, 24
 
@@ -27,24 +28,26 @@ def rows() -> dict[str, dict]:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout)  # engine logs went to stderr: stdout is the JSON alone
-    return {row["recipe"]: row for row in out}
+    return {row["precision"]: row for row in out}
 
 
-def test_every_recipe_reports_every_metric(rows):
-    assert list(rows) == list(align.RECIPES)
+@pytest.mark.slow
+def test_every_row_reports_every_metric(rows):
+    assert list(rows) == list(ALIGNMENT_ROWS) == ["bf16", "fp4", "fp4_rc_rollout", "fp4_rc_train", "fp4_rc"]
     for name, row in rows.items():
-        assert (row["rollout"], row["training"]) == (align.RECIPES[name].rollout or "bf16", align.RECIPES[name].training)
+        assert (row["rollout"], row["training"]) == (PRECISIONS[name].rollout or "bf16", PRECISIONS[name].train)
         assert (row["scope"], row["fmt"]) == ("all", "mxfp4")
         # sampled to the full length unless EOS came first; the tiny model has 2 MoE layers
         assert PROMPTS <= row["tokens"] <= PROMPTS * NEW_TOKENS
         assert len(row["topk_match_by_layer"]) == 2
         assert 0 <= row["topk_match_frac"] <= row["topk_overlap_mean"] <= 1
         assert -1 <= row["pcc"] <= 1 and row["mean_abs_logprob_diff"] >= 0
-    # recipes sharing a rollout method score the same sampled responses
-    assert rows["fp4"]["tokens"] == rows["rc_training"]["tokens"]
-    assert rows["rc_rollout"]["tokens"] == rows["rc_both"]["tokens"]
+    # precisions sharing a rollout method score the same sampled responses
+    assert rows["fp4"]["tokens"] == rows["fp4_rc_train"]["tokens"]
+    assert rows["fp4_rc_rollout"]["tokens"] == rows["fp4_rc"]["tokens"]
 
 
+@pytest.mark.slow
 def test_bf16_sides_agree(rows):
     """Unquantized, fp32 on both sides: the same routing for every response token and near-equal
     log-probs. This also checks the position pairing: off by one, the routes would not match."""
@@ -54,9 +57,10 @@ def test_bf16_sides_agree(rows):
     assert bf16["mean_abs_logprob_diff"] < 1e-3
 
 
+@pytest.mark.slow
 def test_symmetric_rc_restores_alignment(rows):
     """MoEResQ's claim: RC on both sides aligns better than naive FP4 on every metric, near the bf16 level."""
-    both, fp4 = rows["rc_both"], rows["fp4"]
+    both, fp4 = rows["fp4_rc"], rows["fp4"]
     assert both["topk_match_frac"] > fp4["topk_match_frac"]
     assert both["topk_overlap_mean"] > fp4["topk_overlap_mean"]
     assert both["pcc"] > fp4["pcc"] and both["pcc"] > 0.99
@@ -64,10 +68,11 @@ def test_symmetric_rc_restores_alignment(rows):
     assert both["topk_match_frac"] >= 0.95
 
 
+@pytest.mark.slow
 def test_one_sided_rc_misaligns(rows):
     """RC on only one side leaves the two policies further apart than RC on both (Table 2's asymmetric rows)."""
-    both = rows["rc_both"]
-    for name in ("rc_rollout", "rc_training"):
+    both = rows["fp4_rc"]
+    for name in ("fp4_rc_rollout", "fp4_rc_train"):
         one = rows[name]
         assert one["topk_match_frac"] < both["topk_match_frac"] - 0.05, name
         assert one["pcc"] < both["pcc"], name
@@ -76,25 +81,14 @@ def test_one_sided_rc_misaligns(rows):
 
 # -- units: no engine, no Megatron ---------------------------------------------------------------------------
 
-def test_recipe_validation():
-    assert align.check_recipes(None) == list(align.RECIPES)
-    assert align.check_recipes(["rc_both", "bf16", "rc_both"]) == ["rc_both", "bf16"]
-    with pytest.raises(ValueError, match=r"unknown alignment recipe\(s\) \['fp8'\]; use any of \['bf16'"):
-        align.check_recipes(["bf16", "fp8"])
-    with pytest.raises(ValueError, match="no recipes"):
-        align.check_recipes([])
-
-
-def test_recipes_name_real_engine_methods_and_training_recipes():
-    from qurl_mcore.megatron.recipes import RECIPES as TRAINING
-    from qurl_mcore.sglang.options import METHODS
-
-    for recipe in align.RECIPES.values():
-        assert recipe.rollout is None or recipe.rollout in METHODS
-        assert recipe.training in TRAINING
-    rc = {name for name, r in align.RECIPES.items() if r.rollout == "qurl_fp4_rc"}
-    assert rc == {"rc_rollout", "rc_both"}
-    assert {n for n, r in align.RECIPES.items() if r.training == "fp4_rc"} == {"rc_training", "rc_both"}
+def test_precision_validation():
+    assert align.check_precisions(None) == list(ALIGNMENT_ROWS)
+    assert align.check_precisions(["fp4_rc", "bf16", "fp4_rc"]) == ["fp4_rc", "bf16"]
+    assert align.check_precisions(["int8"]) == ["int8"]  # any precision of the table is a row
+    with pytest.raises(ValueError, match=r"unknown precision 'rc_both'; use one of \['bf16'"):
+        align.check_precisions(["bf16", "rc_both"])
+    with pytest.raises(ValueError, match="no precisions"):
+        align.check_precisions([])
 
 
 def test_engine_config_quantizes_the_same_linears_as_the_trainer():
@@ -110,8 +104,8 @@ def test_bad_options_fail_before_any_engine_starts(tmp_path):
 
     with pytest.raises(ValueError, match="unknown scope"):
         align.run_alignment(["bf16"], scope="attention")
-    with pytest.raises(ValueError, match="unknown FP4 format"):
-        align.run_alignment(["bf16"], fmt="hif4")
+    with pytest.raises(ValueError, match="not an FP4 format"):
+        align.run_alignment(["fp4"], fmt="hif4")
     with pytest.raises(ValueError, match="max_new_tokens"):
         align.run_alignment(["bf16"], max_new_tokens=0)
     with pytest.raises(ValueError, match="needs a Qwen3-MoE"):
@@ -125,21 +119,21 @@ def test_prompts_use_the_checkpoint_tokenizer():
     assert len(ids) == 3 and all(len(p) > 2 for p in ids) and ids[0] != ids[1]
 
 
-def _row(recipe, **metrics):
-    r = align.RECIPES[recipe]
-    return {"recipe": recipe, "rollout": r.rollout or "bf16", "training": r.training, "tokens": 96,
+def _row(precision, **metrics):
+    p = PRECISIONS[precision]
+    return {"precision": precision, "rollout": p.rollout or "bf16", "training": p.train, "tokens": 96,
             "scope": "experts", "fmt": "nvfp4", **metrics}
 
 
 def test_format_table():
     rows = [_row("bf16", pcc=1.0, topk_match_frac=1.0, topk_overlap_mean=1.0, mean_abs_logprob_diff=0.0),
-            _row("rc_both", pcc=0.99987654, topk_match_frac=0.96875, topk_overlap_mean=0.984375,
+            _row("fp4_rc", pcc=0.99987654, topk_match_frac=0.96875, topk_overlap_mean=0.984375,
                  mean_abs_logprob_diff=0.00123)]
     lines = align.format_table(rows).splitlines()
-    assert lines[0] == "| recipe | rollout | training | tokens | PCC | top-k match | top-k overlap | mean |Δ logp| |"
+    assert lines[0] == "| precision | rollout | training | tokens | PCC | top-k match | top-k overlap | mean |Δ logp| |"
     assert lines[1] == "|---|---|---|---|---|---|---|---|"
     assert lines[2] == "| bf16 | bf16 | bf16 | 96 | 1.0000 | 1.0000 | 1.0000 | 0.0000 |"
-    assert lines[3] == "| rc_both | qurl_fp4_rc | fp4_rc | 96 | 0.9999 | 0.9688 | 0.9844 | 0.0012 |"
+    assert lines[3] == "| fp4_rc | qurl_fp4_rc | rc_both | 96 | 0.9999 | 0.9688 | 0.9844 | 0.0012 |"
     assert lines[-1] == "scope experts, fmt nvfp4"
     with pytest.raises(ValueError, match="lacks"):
         align.format_table([_row("fp4", pcc=1.0)])
@@ -147,7 +141,7 @@ def test_format_table():
         align.format_table([])
 
 
-def test_cli_rejects_an_unknown_recipe(capsys):
-    assert main(["align", "--recipes", "bf16,rc_both", "nope"]) == 2
+def test_cli_rejects_an_unknown_precision(capsys):
+    assert main(["align", "--precisions", "bf16,fp4_rc", "nope"]) == 2
     out = capsys.readouterr().out
-    assert "qurl align: unknown alignment recipe(s) ['nope']" in out
+    assert "qurl align: unknown precision 'nope'" in out

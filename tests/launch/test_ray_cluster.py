@@ -9,13 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from qurl_mcore.transfer import free_port
+
 SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "ray_cluster.sh"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(**extra):
@@ -26,6 +22,7 @@ def _env(**extra):
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("token", [False, True], ids=["no-token", "token-in-home"])
 def test_head_wait_and_clean_shutdown(tmp_path, token):
     # A token in ~/.ray (any earlier local ray.init leaves one) turns the head's token auth on; the script must
@@ -37,7 +34,7 @@ def test_head_wait_and_clean_shutdown(tmp_path, token):
     env = _env(HOME=str(home))
     mode = subprocess.run(["bash", str(SCRIPT), "auth-mode"], env=env, capture_output=True, text=True)
     assert mode.stdout.strip() == ("token" if token else "disabled")
-    port, dash = _free_port(), _free_port()
+    port, dash = free_port(), free_port()
     head = subprocess.Popen(
         ["bash", str(SCRIPT), "head", "--port", str(port), "--dashboard-port", str(dash), "--num-cpus", "1",
          "--object-store-bytes", str(200 * 2**20), "--node-ip", "127.0.0.1", "--resources", '{"qurl_train": 1}'],

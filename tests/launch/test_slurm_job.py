@@ -16,6 +16,8 @@ import pytest
 from qurl_mcore.loop.checkpoint import latest_checkpoint, read_rank
 from qurl_mcore.slurm import SlurmJob, submit
 
+pytestmark = pytest.mark.slow  # real engines, process groups or Slurm jobs: `make test`, not test-fast
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

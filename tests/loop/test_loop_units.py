@@ -10,6 +10,7 @@ from qurl_mcore.loop.actors import plan
 from qurl_mcore.loop.batch import Sample
 from qurl_mcore.loop.driver import advantages
 from qurl_mcore.loop.rollout import EngineFailure, engine_config, engine_quantization, prompt_indices
+from qurl_mcore.preflight import preflight
 
 
 def test_prompt_order_is_a_permutation_per_epoch_and_a_function_of_the_step():
@@ -71,15 +72,20 @@ def test_placement_errors_name_the_fix():
 
 @pytest.mark.parametrize("precision,method,options", [
     ("bf16", None, {}),
-    ("int8", "qurl_int8", {"scope": "all"}),
-    ("fp8", "qurl_fp8", {"scope": "all"}),
+    ("int8", "qurl_int8", {"fmt": "int8", "scope": "all"}),
+    ("fp8", "qurl_fp8", {"fmt": "fp8_e4m3", "scope": "all"}),
+    ("fp8_e2e", "qurl_fp8", {"fmt": "fp8_e4m3", "scope": "all"}),
     ("fp4", "qurl_fp4", {"fmt": "nvfp4", "scope": "experts"}),
     ("fp4_rc", "qurl_fp4_rc", {"fmt": "mxfp4", "scope": "experts"}),
+    ("fp4_rc_rollout", "qurl_fp4_rc", {"fmt": "nvfp4", "scope": "all"}),
+    ("fp4_rc_train", "qurl_fp4", {"fmt": "nvfp4", "scope": "experts"}),
 ])
 def test_engine_quantization_per_precision(precision, method, options):
-    over = [f"rollout.precision={precision}", "uaq.enabled=false"]
-    if precision.startswith("fp4"):
-        over += ["rollout.scope=experts", f"rollout.fp4_format={options['fmt']}"]
+    over = [f"precision={precision}", "uaq.enabled=false"]
+    if "fmt" in options and options["fmt"] in ("nvfp4", "mxfp4"):
+        over.append(f"fp4_format={options['fmt']}")
+    if precision == "fp4_rc_rollout":
+        over.append("scope=all")
     cfg = load_config(None, over)
     assert engine_quantization(cfg) == (method, options)
     config = engine_config(cfg, "/models/x", "cpu")
@@ -95,10 +101,11 @@ def test_engine_failure_survives_pickling():
 
 
 def test_loop_config_checks():
-    with pytest.raises(ConfigError) as info:
-        load_config(None, ["train.ep_size=3", "train.tp_size=2", "rollout.top_k=0", "train.entropy_coef=0.1"])
-    text = str(info.value)
-    assert "train.ep_size: 3 must divide" in text and "rollout.top_k" in text and "entropy" in text
+    cfg = load_config(None, ["train.ep_size=3", "train.tp_size=2", "train.entropy_coef=0.1"])
+    text = preflight(cfg).report()
+    assert "train.ep_size: 3 must divide" in text and "entropy" in text
+    with pytest.raises(ConfigError, match="rollout.top_k: must be -1"):
+        load_config(None, ["rollout.top_k=0"])
 
 
 @pytest.mark.parametrize("name", ["cpu_demo", "gsm8k_ppo_qwen2.5_0.5b_int8", "dapo_qwen2.5_7b_math_int8",
@@ -110,6 +117,10 @@ def test_shipped_configs_load_and_place(name, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"question": "1+1", "answer": "2"}\n')
     cfg = load_config(path, [] if name == "cpu_demo" else [f"data.path={prompts}"])
-    p = plan(cfg, use_gpu=name != "cpu_demo", tags={"qurl_train", "qurl_rollout"})
+    gpu = name != "cpu_demo"
+    p = plan(cfg, use_gpu=gpu, tags={"qurl_train", "qurl_rollout"})
     assert len(p.trainer) == cfg.train.tp_size * cfg.train.dp_size
     assert len(p.engines) == cfg.rollout.engines
+    problems = preflight(cfg, use_gpu=gpu).problems
+    # the GPU configs name checkpoints on the cluster: their absence here is the one problem allowed
+    assert all(p.startswith("model.path:") for p in problems) and (gpu or not problems), problems

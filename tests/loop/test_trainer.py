@@ -12,7 +12,7 @@ from qurl_mcore.loop.trainer import PolicyTrainer
 
 def _trainer(*overrides: str) -> PolicyTrainer:
     cfg = load_config(None, ["model.path=tiny-llama", "train.lr=1e-3", "uaq.enabled=false",
-                             "rollout.precision=bf16", *overrides])
+                             "precision=bf16", *overrides])
     return PolicyTrainer(cfg)
 
 
@@ -59,7 +59,7 @@ def reference_update():
 
 def test_step_updates_and_reports(reference_update):
     _, before, after, _, metrics = reference_update
-    assert metrics["train/skipped"] == 0.0 and metrics["train/grad_norm"] > 0
+    assert metrics["train/skipped_nonfinite"] == 0.0 and metrics["train/grad_norm"] > 0
     assert any(not torch.equal(before[n], after[n]) for n in before)
     for key in ("loss/policy", "clip_frac/high", "is_ratio/mean", "mismatch/kl_k3", "mismatch/prob_pearson",
                 "perf/train_tokens_per_s", "time/ref_logprobs", "time/train"):
@@ -94,7 +94,7 @@ def test_non_finite_behaviour_logprob_skips_the_step():
         batch.behav_logprobs[0, first] = float("-inf")  # what a broken engine would send
         before = _params(trainer)
         metrics = trainer.step(batch)
-        assert metrics["train/skipped"] == 1.0
+        assert metrics["train/skipped_nonfinite"] == 1.0
         assert all(torch.equal(before[n], p) for n, p in _params(trainer).items())
         assert not trainer.optimizer.state  # no moment was touched either
     finally:
@@ -124,9 +124,12 @@ def test_export_gives_hf_named_bf16_tensors_with_uaq_folded_in():
     from qurl_mcore.megatron.convert import read_hf_state
     from qurl_mcore.uaq import uaq_scale_hf
 
-    trainer = _trainer("uaq.enabled=true", "rollout.precision=int8")
-    try:
-        exported = {n: t for bucket in trainer.export(1 << 20) for n, t in bucket}
+    from qurl_mcore.megatron import export_hf_weights
+
+    trainer = _trainer("uaq.enabled=true", "precision=int8")
+    try:  # what push_weights streams to the engines (bf16 engines)
+        exported = {n: t for bucket in export_hf_weights(trainer.model, trainer.hf, bucket_bytes=1 << 20,
+                                                         dtype=torch.bfloat16) for n, t in bucket}
     finally:
         trainer.close()
     hf = read_hf_state(trainer.hf_dir)

@@ -1,16 +1,6 @@
 import pytest
 import torch
 
-from qurl_mcore.megatron.parallel import destroy_parallel, init_parallel
-
-
-@pytest.fixture(scope="session")
-def megatron_ws1():
-    """Megatron's model-parallel state at world size 1 (gloo on CPU) for the in-process tests."""
-    init_parallel()
-    yield
-    destroy_parallel()
-
 
 @pytest.fixture
 def reseed(megatron_ws1):

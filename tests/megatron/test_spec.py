@@ -3,8 +3,8 @@ import torch
 
 from qurl_mcore.megatron.layers import QuantColumnParallelLinear, QuantRowParallelLinear
 from qurl_mcore.megatron.models import build_gpt, gpt_config
-from qurl_mcore.megatron.recipes import RECIPES, linear_spec
-from qurl_mcore.megatron.spec import gpt_spec
+from qurl_mcore.megatron.spec import gpt_spec, linear_group
+from qurl_mcore.precision import train_spec
 from qurl_mcore.models.tiny import tiny_checkpoint
 from tests.conftest import requires_cuda
 
@@ -19,7 +19,7 @@ def _forward_backward(model, ids):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_bf16_recipe_is_bitwise_the_stock_local_spec(arch, reseed):
+def test_bf16_precision_is_bitwise_the_stock_local_spec(arch, reseed):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -47,7 +47,7 @@ def _quantized(model) -> set[str]:
 def test_scope_experts_quantizes_only_routed_experts(megatron_ws1):
     from megatron.core.transformer.moe.router import TopKRouter
 
-    model = build_gpt(tiny_checkpoint("qwen3_moe"), recipe="fp4_rc", scope="experts")
+    model = build_gpt(tiny_checkpoint("qwen3_moe"), precision="fp4_rc", scope="experts")
     names = _quantized(model)
     assert names and all(".mlp.experts.local_experts." in n for n in names)
     assert len(names) == 2 * 2 * 4  # layers x (fc1, fc2) x experts
@@ -58,30 +58,44 @@ def test_scope_experts_quantizes_only_routed_experts(megatron_ws1):
 
 
 def test_scope_all_adds_attention(megatron_ws1):
-    names = _quantized(build_gpt(tiny_checkpoint("qwen3_moe"), recipe="fp4", scope="all", fmt="mxfp4"))
+    names = _quantized(build_gpt(tiny_checkpoint("qwen3_moe"), precision="fp4", scope="all", fmt="mxfp4"))
     assert {n.split(".")[-1] for n in names} == {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}
     assert "output_layer" not in names and not any("router" in n for n in names)
 
 
 def test_dense_experts_scope_is_the_mlp(megatron_ws1):
-    names = _quantized(build_gpt(tiny_checkpoint("qwen3"), recipe="fp4_rc_training"))
+    names = _quantized(build_gpt(tiny_checkpoint("qwen3"), precision="fp4_rc_train"))  # default scope: experts
     assert {n.split(".", 3)[-1] for n in names} == {"mlp.linear_fc1", "mlp.linear_fc2"}
 
 
-def test_recipe_table_and_validation():
-    assert linear_spec("fp4_rc").mode == "rc_both"
-    assert linear_spec("fp4_rc_inference", "mxfp4").mode == "rc_inference"
-    fp8 = linear_spec("fp8")
-    assert (fp8.fmt, fp8.weight_granularity, fp8.act_granularity) == ("fp8_e4m3", "tensor", "tensor")
-    assert set(RECIPES) == {"bf16", "fp8", "fp4", "fp4_rc", "fp4_rc_inference", "fp4_rc_training"}
-    with pytest.raises(ValueError, match="unknown recipe"):
-        linear_spec("int4")
-    with pytest.raises(ValueError, match="FP4 format"):
-        linear_spec("fp4", "int8")
-    with pytest.raises(ValueError, match="fp8_e4m3"):
-        linear_spec("fp8", "nvfp4")
-    with pytest.raises(ValueError, match="quantizes nothing"):
-        linear_spec("bf16", "nvfp4")
+def test_qurl_precisions_train_in_full_precision(megatron_ws1):
+    for precision in ("bf16", "int8", "fp8"):
+        assert not _quantized(build_gpt(tiny_checkpoint("qwen3_moe"), precision=precision, scope="all"))
+
+
+def test_trainer_specs_come_from_the_precision_table():
+    assert train_spec("fp4_rc").mode == "rc_both"
+    assert train_spec("fp4_rc_rollout", "mxfp4").mode == "naive"
+    assert train_spec("fp4_rc_train", "mxfp4").mode == "rc_both"
+    fp8 = train_spec("fp8_e2e")
+    assert (fp8.fmt, fp8.weight_granularity, fp8.act_granularity, fp8.grad_granularity) == \
+        ("fp8_e4m3", "tensor", "tensor", "tensor")
+    assert not train_spec("int8").quantized
+    with pytest.raises(ValueError, match="unknown precision"):
+        train_spec("int4")
+    with pytest.raises(ValueError, match="runs in"):
+        train_spec("fp4", "int8")
+
+
+def test_linear_groups_of_megatron_names():
+    layer = "decoder.layers.3."
+    assert linear_group(layer + "self_attention.linear_qkv.weight") == "attention"
+    assert linear_group(layer + "mlp.linear_fc2.weight") == "mlp"
+    assert linear_group(layer + "mlp.experts.local_experts.7.linear_fc1.weight") == "experts"
+    assert linear_group(layer + "mlp.shared_experts.linear_fc1.weight") == "shared_experts"
+    for never in ("mlp.router.weight", "input_layernorm.weight", "self_attention.linear_qkv.bias"):
+        assert linear_group(layer + never) is None
+    assert linear_group("output_layer.weight") is None
 
 
 def test_unknown_scope_is_refused(megatron_ws1):
@@ -98,14 +112,14 @@ def test_rc_is_closer_to_bf16_than_naive_fp4(megatron_ws1):
     ids = random_ids(2, 16)
     pos = torch.arange(16).expand_as(ids)
     out = {}
-    for recipe in ("bf16", "fp4", "fp4_rc", "fp8"):
-        model = build_gpt(path, recipe=recipe, scope="all")
+    for precision in ("bf16", "fp4", "fp4_rc", "fp8_e2e"):
+        model = build_gpt(path, precision=precision, scope="all")
         load_hf_weights(model, path)
         with torch.no_grad():
-            out[recipe] = model(ids, pos, None)
-    err = {r: ((out[r] - out["bf16"]).norm() / out["bf16"].norm()).item() for r in ("fp4", "fp4_rc", "fp8")}
+            out[precision] = model(ids, pos, None)
+    err = {r: ((out[r] - out["bf16"]).norm() / out["bf16"].norm()).item() for r in ("fp4", "fp4_rc", "fp8_e2e")}
     assert 0 < err["fp4_rc"] < 0.85 * err["fp4"], err
-    assert 0 < err["fp8"] < err["fp4_rc"], err
+    assert 0 < err["fp8_e2e"] < err["fp4_rc"], err
 
 
 def test_fp4_rc_model_learns_a_toy_task(reseed):
@@ -138,15 +152,14 @@ def test_fp4_rc_model_learns_a_toy_task(reseed):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_fp8_recipe_uses_transformer_engine_on_gpu(megatron_ws1):
-    pytest.importorskip("transformer_engine", reason="recipe fp8 on GPU runs Transformer Engine modules")
+def test_fp8_training_uses_transformer_engine_on_gpu(megatron_ws1):
+    pytest.importorskip("transformer_engine", reason="FP8 training on GPU runs Transformer Engine modules")
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
 
     path = tiny_checkpoint("qwen3_moe")
     with pytest.raises(ValueError, match="fp8"):
-        build_gpt(path, recipe="fp8", scope="all")
-    model = build_gpt(path, recipe="fp8", scope="all", fp8="e4m3", fp8_recipe="tensorwise",
-                      use_cpu_initialization=False).cuda()
+        gpt_spec(gpt_config(path), "fp8_e2e", scope="all")  # a config without Megatron's fp8 settings
+    model = build_gpt(path, precision="fp8_e2e", scope="all", use_cpu_initialization=False).cuda()
     assert any(isinstance(m, TEColumnParallelLinear) for m in model.modules())
     ids = random_ids(2, 32).cuda()
     logits = model(ids, torch.arange(32, device="cuda").expand_as(ids), None)

@@ -12,6 +12,8 @@ from qurl_mcore.models.tiny import tiny_checkpoint
 from . import workers
 from .helpers import hf_logits, hf_logprobs, hf_routes, random_ids
 
+pytestmark = pytest.mark.slow  # real engines, process groups or Slurm jobs: `make test`, not test-fast
+
 
 def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
@@ -27,13 +29,13 @@ def _check_common(results, path, ids):
     assert torch.equal(results[0]["logits"], results[1]["logits"])
 
 
-def _check_quantized_matches_ws1(quant, path, ids, recipe, scope, fmt):
+def _check_quantized_matches_ws1(quant, path, ids, precision, scope, fmt):
     """The sharded quantized model agrees with the unsharded one far better than either agrees with bf16."""
-    ref = workers.quantized_step(path, ids, recipe, scope, fmt)  # world size 1, in this process
+    ref = workers.quantized_step(path, ids, precision, scope, fmt)  # world size 1, in this process
     bf16 = build_gpt(path)
     load_hf_weights(bf16, path)
     quant_error = (ref["logprobs"] - token_logprobs(bf16, ids).logprobs).abs().max()
-    assert quant_error > 1e-3  # the recipe does quantize
+    assert quant_error > 1e-3  # the precision does quantize
     assert (quant["logprobs"] - ref["logprobs"]).abs().max() < min(1e-4, 0.05 * quant_error)
     for g in ("grad_qkv", "grad_proj"):
         assert _rel(quant[g], ref[g]) < 1e-2, g  # gradient quantization may flip a few codes

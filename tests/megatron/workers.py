@@ -35,9 +35,9 @@ def round_trip_mismatches(model, path) -> list[str]:
                                                    and not torch.equal(original[k], exported[k])]
 
 
-def quantized_step(path, ids, recipe: str, scope: str, fmt: str) -> dict:
+def quantized_step(path, ids, precision: str, scope: str, fmt: str) -> dict:
     """Log-probs of a quantized model and its gradients (gathered over TP) after backward of their sum."""
-    model = build_gpt(path, recipe=recipe, scope=scope, fmt=fmt)
+    model = build_gpt(path, precision=precision, scope=scope, fmt=fmt)
     load_hf_weights(model, path)
     out = token_logprobs(model, ids, grad=True)
     out.logprobs.sum().backward()
@@ -66,7 +66,7 @@ def dense_tp2(rank: int, path, ids: torch.Tensor) -> dict:
     result["uaq_logits"] = full_logits(model, ids)
     result["quant"] = quantized_step(path, ids, "fp4_rc", "all", "mxfp4")
 
-    # recipe bf16 = the stock local spec, at TP=2 (without SP, which the stock torch norm refuses)
+    # precision bf16 = the stock local spec, at TP=2 (without SP, which the stock torch norm refuses)
     config = gpt_config(path, sequence_parallel=False)
     kw = dict(config=config, vocab_size=49152, max_sequence_length=64, position_embedding_type="rope")
     outs = []

@@ -27,15 +27,15 @@ def _reference(x, w, b, g, mode, fmt):
     wgran = "block" if fmt in ("nvfp4", "mxfp4") else "channel"
     q = lambda t: fake_quantize(t, fmt, gran)  # noqa: E731
     rc = lambda t: residual_fake_quantize(t, fmt, gran)  # noqa: E731
-    fwd = rc if mode in ("rc_inference", "rc_both") else q
-    bwd = rc if mode in ("rc_training", "rc_both") else q
+    fwd = rc if mode in ("rc_forward", "rc_both") else q
+    bwd = rc if mode in ("rc_backward", "rc_both") else q
     wq = fake_quantize(w, fmt, wgran)
     y = fwd(x) @ wq.t() + b
     gq = bwd(g)
     return y, gq @ wq, gq.t() @ bwd(x), g.sum(0)
 
 
-@pytest.mark.parametrize("mode", ["naive", "rc_inference", "rc_training", "rc_both"])
+@pytest.mark.parametrize("mode", ["naive", "rc_forward", "rc_backward", "rc_both"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "nvfp4", "mxfp4"])
 def test_forward_and_backward_follow_the_formulas(mode, fmt):
     x = torch.randn(24, 64, requires_grad=True)
@@ -55,15 +55,15 @@ def test_forward_and_backward_follow_the_formulas(mode, fmt):
 def test_modes_differ_where_they_should():
     x, w, g = torch.randn(16, 64), torch.randn(8, 64), torch.randn(16, 8)
     outs = {}
-    for mode in ("naive", "rc_inference", "rc_training", "rc_both"):
+    for mode in ("naive", "rc_forward", "rc_backward", "rc_both"):
         xx = x.clone().requires_grad_()
         y = quant_linear(xx, w, spec=make_spec(mode, "nvfp4"))
         y.backward(g)
         outs[mode] = (y.detach(), xx.grad)
-    assert torch.equal(outs["naive"][0], outs["rc_training"][0])  # same forward
-    assert torch.equal(outs["rc_inference"][0], outs["rc_both"][0])
+    assert torch.equal(outs["naive"][0], outs["rc_backward"][0])  # same forward
+    assert torch.equal(outs["rc_forward"][0], outs["rc_both"][0])
     assert not torch.equal(outs["naive"][0], outs["rc_both"][0])
-    assert torch.equal(outs["naive"][1], outs["rc_inference"][1])  # same backward
+    assert torch.equal(outs["naive"][1], outs["rc_forward"][1])  # same backward
     assert not torch.equal(outs["naive"][1], outs["rc_both"][1])
 
 
@@ -79,7 +79,7 @@ def test_rc_forward_removes_most_of_the_activation_error():
 def test_inference_path_equals_training_forward():
     """The rollout engine (quantized once, then `quantized_linear`) computes what the trainer's forward does."""
     x, w, b = torch.randn(2, 9, 64, dtype=torch.bfloat16), torch.randn(48, 64), torch.randn(48)
-    for fmt, mode in (("int8", "naive"), ("fp8_e4m3", "naive"), ("nvfp4", "rc_both"), ("mxfp4", "rc_inference")):
+    for fmt, mode in (("int8", "naive"), ("fp8_e4m3", "naive"), ("nvfp4", "rc_both"), ("mxfp4", "rc_forward")):
         spec = make_spec(mode, fmt)
         inference = quantized_linear(x, quantize_weight(w, spec), b, spec)
         assert inference.shape == (2, 9, 48) and inference.dtype == torch.bfloat16

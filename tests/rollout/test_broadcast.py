@@ -1,6 +1,6 @@
 """Broadcast weight pushes (disaggregated layout) into a real SGLang HTTP server on CPU (tiny Llama,
-qurl_int8): the trainer side (`WeightSender`) runs in this process and broadcasts over gloo while the
-server receives inside one update session and re-quantizes."""
+qurl_int8): the trainer side (`WeightSender`, `broadcast_weights`) runs in this process and broadcasts over
+gloo while the server receives inside one update session and re-quantizes."""
 from __future__ import annotations
 
 import threading
@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from qurl_mcore.models.tiny import tiny_checkpoint
-from qurl_mcore.rollout import EngineConfig, HttpEngine, WeightPushError, buckets
-from qurl_mcore.rollout.broadcast import WeightSender, broadcast_weights, close_weight_group, open_weight_group
-from qurl_mcore.rollout.http import free_port
+from qurl_mcore.rollout import EngineConfig, HttpEngine, WeightPushError
+from qurl_mcore.rollout.broadcast import broadcast_weights, close_weight_group, open_weight_group
+from qurl_mcore.rollout.engine import bucket_spec
+from qurl_mcore.transfer import buckets, free_port
+
+pytestmark = pytest.mark.slow  # real engines, process groups or Slurm jobs: `make test`, not test-fast
 
 IDS = [1, 504, 3575, 282, 3575, 17, 18, 504, 282, 3575, 17]
 
@@ -49,9 +52,9 @@ def test_broadcast_changes_then_restores(setup):
     base, _ = score(engine)
     half = list(buckets(changed(tensors, 0.5), 64 << 10))
     assert len(half) > 2
-    thread = threading.Thread(target=sender.send, args=(half,))
+    thread = threading.Thread(target=lambda: [sender.send(bucket) for bucket in half])
     thread.start()
-    assert engine.receive_weights(WeightSender.specs(half), "half", "qurl-test") == len(half)
+    assert engine.receive_weights([bucket_spec(b) for b in half], "half", "qurl-test") == len(half)
     thread.join(60)
     assert not thread.is_alive()
     halved, version = score(engine)
@@ -84,12 +87,12 @@ def test_bad_spec_is_refused_and_the_engine_keeps_serving(setup):
     name = "model.layers.0.self_attn.o_proj.weight"
     bad = [[(name, "bfloat16", [128, 128])], [("model.layers.0.mlp.nope.weight", "bfloat16", [4, 4]),
                                                (name, "bfloat16", [64, 128]), (name, "int8", [128, 128])]]
-    with pytest.raises(WeightPushError, match=r"bad broadcast spec \(3\).*nope.*not a tensor of the checkpoint"
+    with pytest.raises(WeightPushError, match=r"bad weight push \(3\).*nope.*not a tensor of the checkpoint"
                                               r".*shape \[64, 128\] != checkpoint \[128, 128\].*'int8'"):
         engine.receive_weights(bad, "bad", "qurl-test")  # refused before the session: nothing to receive
     engine.check_version("good")
-    # streamed: the unknown tensor is in the third bucket; the first is loaded by then (the receiver holds
-    # one spec of lookahead), both sides stop before the second, and the engine is tagged incomplete
+    # streamed: the unknown tensor is in the third bucket; the first two are loaded by then, both sides stop
+    # there, and the engine is tagged incomplete
     zero = [[(name, torch.zeros(128, 128, dtype=torch.bfloat16))]]
     pushes = zero * 2 + [[("model.layers.0.mlp.nope.weight", torch.zeros(4, 4, dtype=torch.bfloat16))]] + zero
     with pytest.raises(WeightPushError, match="nope.*not a tensor of the checkpoint"):

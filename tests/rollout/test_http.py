@@ -9,6 +9,8 @@ import torch
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.rollout import EngineConfig, HttpEngine, WeightPushError
 
+pytestmark = pytest.mark.slow  # real engines, process groups or Slurm jobs: `make test`, not test-fast
+
 KEY = "test-key-not-a-secret"
 
 

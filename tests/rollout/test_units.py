@@ -1,4 +1,4 @@
-"""Rollout client pieces that need no engine: buckets, engine arguments, response parsing."""
+"""Rollout client pieces that need no engine: engine arguments, response parsing."""
 from __future__ import annotations
 
 import base64
@@ -6,22 +6,9 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
-from qurl_mcore.rollout import EngineConfig, buckets
+from qurl_mcore.rollout import EngineConfig
 from qurl_mcore.rollout.results import parse
-
-
-def test_buckets_bound_size_keep_order_and_never_split():
-    tensors = [(f"t{i}", torch.zeros(n, dtype=torch.bfloat16)) for i, n in enumerate([10, 20, 5, 100, 1, 1])]
-    out = list(buckets(tensors, max_bytes=64))
-    assert [name for b in out for name, _ in b] == [name for name, _ in tensors]
-    for b in out:
-        size = sum(t.numel() * t.element_size() for _, t in b)
-        assert size <= 64 or len(b) == 1  # the 200-byte tensor travels alone
-    assert [len(b) for b in out] == [2, 1, 1, 2]  # 20+40 | 10 | 200 | 2+2
-    with pytest.raises(ValueError):
-        list(buckets(tensors, 0))
 
 
 def test_engine_config_renders_quantization_and_cpu_settings():

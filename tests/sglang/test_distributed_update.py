@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from .conftest import checkpoint_tensors, local_engine, model_path, prompt_ids, score
+
+pytestmark = pytest.mark.slow  # real engines, process groups or Slurm jobs: `make test`, not test-fast
 
 
 def _broadcast_session(engine, group, names, tensors):
@@ -24,7 +27,7 @@ def _broadcast_session(engine, group, names, tensors):
 def test_broadcast_refit_then_restore():
     from sglang.srt.utils import init_custom_process_group
 
-    from qurl_mcore.rollout.http import free_port
+    from qurl_mcore.transfer import free_port
 
     path = model_path("qwen3_moe")
     with local_engine(path, "qurl_int8") as rollout:

@@ -22,6 +22,8 @@ from qurl_mcore.sglang import QurlOptions
 from .conftest import checkpoint_tensors, local_engine, model_path, prompt_ids, score, write_checkpoint
 from .reference import reference_model, token_logprobs
 
+pytestmark = pytest.mark.slow  # real engines, process groups or Slurm jobs: `make test`, not test-fast
+
 CASES = [
     ("qwen3_moe", "qurl_int8", {}),
     ("qwen3_moe", "qurl_fp8", {}),

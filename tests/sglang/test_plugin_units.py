@@ -17,7 +17,9 @@ def test_options_defaults_and_validation():
     assert QurlOptions.parse("qurl_fp4").fmt == "nvfp4"
     rc = QurlOptions.parse("qurl_fp4_rc", {"quant_method": "qurl_fp4_rc", "fmt": "mxfp4", "scope": "experts",
                                            "packed_modules_mapping": {}, "hf_config": None})
-    assert rc.spec() == make_spec("rc_inference", "mxfp4") and rc.scope == "experts"
+    assert rc.spec() == make_spec("rc_forward", "mxfp4") and rc.scope == "experts"
+    # default scopes come from the precision table: W8A8 everywhere, FP4 on the experts (MoEResQ)
+    assert QurlOptions.parse("qurl_int8").scope == "all" and QurlOptions.parse("qurl_fp4_rc").scope == "experts"
     for bad in ({"fmt": "int4"}, {"scope": "attention"}, {"kernel": "cutlass"}, {"master": "disk"}, {"bits": 4},
                 {"quant_method": "qurl_fp4"}):
         with pytest.raises(ValueError):

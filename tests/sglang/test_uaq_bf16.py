@@ -9,6 +9,8 @@ import torch
 
 from .conftest import checkpoint_tensors, local_engine, model_path, prompt_ids
 
+pytestmark = pytest.mark.slow  # real engines, process groups or Slurm jobs: `make test`, not test-fast
+
 S = 2.0
 #: norm -> the linears that read its output (Llama layout)
 FOLLOWERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

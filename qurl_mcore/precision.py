@@ -1,0 +1,237 @@
+"""Precisions: the one table that says how the trainer (Megatron) and the rollout engines (SGLang) compute.
+
+A *precision* names both sides at once, so that they cannot drift apart: the quantized-linear mode of the
+trainer's linears, the SGLang method of the engines, the formats it runs in. A *scope* names the linears a
+precision quantizes, by *group*, and both sides ask this module which groups that is:
+
+  group           HF modules (in model.layers.{i}.)                Megatron slot (in decoder.layers.{i}.)
+  attention       self_attn.{q,k,v,o}_proj                          self_attention.linear_{qkv,proj}
+  mlp             mlp.{gate,up,down}_proj (dense models)            mlp.linear_fc{1,2}
+  experts         mlp.experts.{e}.{gate,up,down}_proj               mlp.experts.local_experts.{e}.linear_fc{1,2}
+  shared_experts  mlp.shared_expert.{gate,up,down}_proj             mlp.shared_experts.linear_fc{1,2}
+
+  scope "experts"  experts + mlp: the routed experts (MoEResQ's experts-only scope); a dense model's MLP is
+                   its one expert, so that the scope means the same linears on both sides for every model
+  scope "all"      every group above
+Routers (mlp.gate), norms, embeddings and the output layer are never quantized.
+
+A precision whose trainer runs full precision while the engines quantize (QuRL's int8/fp8) quantizes
+nothing on the trainer by design: the behaviour policy is the quantized one and the loss corrects for it.
+Every other asymmetry is an ablation and is a named row of `PRECISIONS` (MoEResQ's one-sided RC rows).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: linear groups, in table order; the router is never quantized and is not a group
+GROUPS = ("attention", "mlp", "experts", "shared_experts")
+
+#: scope -> the linear groups it quantizes (module docstring)
+SCOPES: dict[str, frozenset[str]] = {
+    "experts": frozenset({"experts", "mlp"}),
+    "all": frozenset(GROUPS),
+}
+
+FP4_FORMATS = ("nvfp4", "mxfp4")
+
+
+@dataclass(frozen=True)
+class RolloutMethod:
+    """An SGLang quantization method of the qurl plugin: the quantized-linear mode its forward runs and the
+    formats it takes (the first is the default)."""
+
+    name: str
+    mode: str
+    formats: tuple[str, ...]
+
+
+#: SGLang method name -> what it computes (`qurl_mcore.sglang` registers exactly these)
+METHODS: dict[str, RolloutMethod] = {m.name: m for m in (
+    RolloutMethod("qurl_int8", "naive", ("int8",)),  # W8A8: per-channel weights, per-token activations
+    RolloutMethod("qurl_fp8", "naive", ("fp8_e4m3",)),
+    RolloutMethod("qurl_fp4", "naive", FP4_FORMATS),  # weights and activations on the format's blocks
+    RolloutMethod("qurl_fp4_rc", "rc_forward", FP4_FORMATS),  # Y = Q(X)Q(W)ᵀ + Q(X−Q(X))Q(W)ᵀ
+)}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One row of `PRECISIONS`.
+
+    `train` is the `qurl_mcore.quant` mode of the trainer's linears in scope ("bf16": full precision, the
+    stock Megatron linears); `train_granularity` "tensor" means one scale per tensor for weights,
+    activations and gradients (Transformer Engine's FP8 current scaling), None the format's defaults.
+    `rollout` is the engines' SGLang method, None for full-precision engines. `kind` says why the row exists.
+    """
+
+    name: str
+    train: str
+    rollout: str | None
+    kind: str  # "reference" | "QuRL" | "symmetric" | "ablation"
+    scope: str  # the default scope
+    summary: str
+    train_granularity: str | None = None
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The formats this precision runs in (empty for bf16); the first is the default."""
+        return METHODS[self.rollout].formats if self.rollout else ()
+
+    @property
+    def trains_quantized(self) -> bool:
+        return self.train != "bf16"
+
+    @property
+    def uaq(self) -> bool:
+        """Whether UAQ applies: an 8-bit per-channel rollout of a full-precision trainer (QuRL §4.3)."""
+        return self.kind == "QuRL"
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("bf16", "bf16", None, "reference", "all",
+              "no quantization on either side"),
+    Precision("int8", "bf16", "qurl_int8", "QuRL", "all",
+              "INT8 W8A8 rollout, full-precision training (QuRL; importance correction, UAQ)"),
+    Precision("fp8", "bf16", "qurl_fp8", "QuRL", "all",
+              "FP8 E4M3 W8A8 rollout, full-precision training (QuRL)"),
+    Precision("fp8_e2e", "naive", "qurl_fp8", "ablation", "all",
+              "FP8 training (one scale per tensor, Transformer Engine's current scaling) and FP8 W8A8 rollout",
+              train_granularity="tensor"),
+    Precision("fp4", "naive", "qurl_fp4", "symmetric", "experts",
+              "FP4 on both sides, no residual correction (MoEResQ's FP4 baseline row)"),
+    Precision("fp4_rc", "rc_both", "qurl_fp4_rc", "symmetric", "experts",
+              "FP4 with residual correction in training forward and backward and in rollout (MoEResQ)"),
+    Precision("fp4_rc_rollout", "naive", "qurl_fp4_rc", "ablation", "experts",
+              "residual correction in rollout only (MoEResQ's RC-inference row, RolloutResQ)"),
+    Precision("fp4_rc_train", "rc_both", "qurl_fp4", "ablation", "experts",
+              "residual correction in training only (MoEResQ's RC-training row)"),
+)}
+
+#: MoEResQ Table 2's rows, in its order (`qurl align`)
+ALIGNMENT_ROWS = ("bf16", "fp4", "fp4_rc_rollout", "fp4_rc_train", "fp4_rc")
+
+
+def get_precision(name: str) -> Precision:
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown precision {name!r}; use one of {list(PRECISIONS)}") from None
+
+
+def resolve(precision: str, scope: str = "auto", fmt: str | None = None) -> tuple[Precision, str, str | None]:
+    """(row, scope, format) with the defaults filled in and every choice validated: `scope` "auto" is the
+    precision's default, `fmt` None its default format."""
+    p = get_precision(precision)
+    if scope == "auto":
+        scope = p.scope
+    if scope not in SCOPES:
+        raise ValueError(f"unknown scope {scope!r}; use one of {list(SCOPES)} or 'auto'")
+    if fmt is None:
+        fmt = p.formats[0] if p.formats else None
+    elif fmt not in p.formats:
+        raise ValueError(f"precision {p.name!r} runs in {list(p.formats) or 'full precision'}, not {fmt!r}")
+    return p, scope, fmt
+
+
+def default_scope(method: str) -> str:
+    """The scope an engine running `method` takes when none is given: that of the first precision rolling
+    out with it (all for qurl_int8/qurl_fp8, experts for the FP4 methods)."""
+    return next(p.scope for p in PRECISIONS.values() if p.rollout == method)
+
+
+def quantizes(scope: str, group: str) -> bool:
+    """Whether `scope` quantizes the linears of `group` (a name of `GROUPS`)."""
+    if group not in GROUPS:
+        raise ValueError(f"unknown linear group {group!r}; use one of {list(GROUPS)}")
+    return group in SCOPES[scope]
+
+
+def train_spec(precision: str, fmt: str | None = None):
+    """The `QuantLinearSpec` of the trainer's linears in scope (full precision for QuRL rows and bf16)."""
+    from qurl_mcore.quant import make_spec
+
+    p, _, fmt = resolve(precision, "auto", fmt)
+    if not p.trains_quantized:
+        return make_spec("bf16")
+    g = p.train_granularity
+    return make_spec(p.train, fmt, weight_granularity=g, act_granularity=g, grad_granularity=g)
+
+
+def rollout_spec(method: str, fmt: str | None = None):
+    """The `QuantLinearSpec` of an engine running `method` (the trainer's numerics, forward only)."""
+    from qurl_mcore.quant import make_spec
+
+    m = METHODS.get(method)
+    if m is None:
+        raise ValueError(f"unknown qurl quantization method {method!r}; use one of {list(METHODS)}")
+    fmt = fmt or m.formats[0]
+    if fmt not in m.formats:
+        raise ValueError(f"{method} runs in {list(m.formats)}, not {fmt!r}")
+    return make_spec(m.mode, fmt)
+
+
+# ---- the linears of a model, by HF name -------------------------------------------------------------------
+
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def _config(hf_config: Any) -> dict:
+    """An HF config as a dict: from a checkpoint directory's config.json, a dict, or a transformers config."""
+    if isinstance(hf_config, (str, Path)):
+        return json.loads((Path(hf_config) / "config.json").read_text())
+    if isinstance(hf_config, dict):
+        return hf_config
+    return hf_config.to_dict()
+
+
+def num_experts(hf_config: Any) -> int:
+    """Routed experts of an MoE config (0: dense); transformers 5 writes Qwen3-MoE's as num_local_experts."""
+    c = _config(hf_config)
+    return c.get("num_experts") or c.get("num_local_experts") or 0
+
+
+def linear_groups(hf_config: Any) -> dict[str, str]:
+    """HF module name (without `.weight`) -> group, for every linear of a Llama/Qwen2/Qwen3/Qwen3-MoE model
+    that a scope can quantize."""
+    c = _config(hf_config)
+    experts = num_experts(c)
+    shared = c.get("shared_expert_intermediate_size") or 0
+    out: dict[str, str] = {}
+    for i in range(c["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        out.update({f"{layer}self_attn.{p}_proj": "attention" for p in "qkvo"})
+        if experts:
+            out.update({f"{layer}mlp.experts.{e}.{p}": "experts" for e in range(experts) for p in _PROJ})
+            if shared:
+                out.update({f"{layer}mlp.shared_expert.{p}": "shared_experts" for p in _PROJ})
+        else:
+            out.update({f"{layer}mlp.{p}": "mlp" for p in _PROJ})
+    return out
+
+
+def quantized_linears(hf_config: Any, precision: str, scope: str = "auto", side: str = "rollout") -> set[str]:
+    """HF module names (without `.weight`) of the linears `precision` quantizes under `scope`, on `side`
+    ("rollout" or "train"). Both sides quantize this same set, except that the trainer of a QuRL row
+    (int8, fp8) and both sides of bf16 quantize nothing."""
+    p, scope, _ = resolve(precision, scope)
+    if side not in ("rollout", "train"):
+        raise ValueError(f"side must be 'rollout' or 'train', got {side!r}")
+    if (p.rollout is None) if side == "rollout" else not p.trains_quantized:
+        return set()
+    return {name for name, group in linear_groups(hf_config).items() if quantizes(scope, group)}
+
+
+def markdown_table() -> str:
+    """`PRECISIONS` as the Markdown table of docs/precision.md (a test keeps the doc equal to this)."""
+    lines = ["| precision | trainer (quant mode) | rollout (SGLang method) | formats | default scope | kind | what |",
+             "|---|---|---|---|---|---|---|"]
+    for p in PRECISIONS.values():
+        train = "full precision" if not p.trains_quantized else \
+            p.train + (f", per {p.train_granularity}" if p.train_granularity else "")
+        rollout = f"`{p.rollout}` ({METHODS[p.rollout].mode})" if p.rollout else "full precision"
+        lines.append(f"| `{p.name}` | {train} | {rollout} | {', '.join(p.formats) or '—'} | {p.scope} | "
+                     f"{p.kind} | {p.summary} |")
+    return "\n".join(lines)

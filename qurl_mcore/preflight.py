@@ -1,0 +1,154 @@
+"""`qurl train --check`: every rule that involves more than one field, checked before anything starts.
+
+`preflight(cfg)` reads the model's config.json (not its weights), applies the precision table and the
+placement rules, and returns the problems (each naming the fields and the fix) together with a summary of
+the resolved run: the precision of each side and the linears each quantizes, the layout and where the
+actors go. Nothing here starts Ray, Megatron or SGLang, or imports them; `qurl train` runs the same
+checks first and refuses to start on any problem.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+from .precision import METHODS, PRECISIONS, get_precision, linear_groups, num_experts, quantized_linears
+
+
+@dataclass
+class Preflight:
+    """The outcome: `problems` (empty: the run may start) and `summary` lines describing the run."""
+
+    problems: list[str] = field(default_factory=list)
+    summary: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def report(self) -> str:
+        if self.problems:
+            return f"{len(self.problems)} problem(s):\n  " + "\n  ".join(self.problems)
+        return "\n".join(self.summary)
+
+
+def _linears_line(hf: dict, names: set[str]) -> str:
+    if not names:
+        return "none (full precision)"
+    groups = linear_groups(hf)
+    counts = collections.Counter(groups[n] for n in names)
+    return f"{len(names)} linears (" + ", ".join(f"{g} {c}" for g, c in sorted(counts.items())) + ")"
+
+
+def _field_rules(cfg: Config, out: Preflight) -> None:
+    """Rules between fields of the config alone."""
+    t, r, d = cfg.train, cfg.rollout, cfg.data
+    if d.task == "file" and not d.path:
+        out.problems.append("data.path: task 'file' needs the path of a .jsonl or .parquet prompt file")
+    elif d.task == "file" and not Path(d.path).is_file():
+        out.problems.append(f"data.path: {d.path} does not exist")
+    if t.advantage in ("grpo", "rloo") and r.samples_per_prompt < 2:
+        out.problems.append(f"rollout.samples_per_prompt: {t.advantage} compares samples of one prompt; "
+                            "use at least 2")
+    world = t.tp_size * t.dp_size
+    if world % t.ep_size:
+        out.problems.append(f"train.ep_size: {t.ep_size} must divide the trainer's world size tp_size x dp_size "
+                            f"= {world}")
+    if t.entropy_coef and t.tp_size > 1:
+        out.problems.append("train.entropy_coef: the entropy bonus needs the full vocabulary on a rank; "
+                            "use train.tp_size=1")
+    if cfg.uaq.enabled and not get_precision(cfg.precision).uaq:
+        uaq = [p.name for p in PRECISIONS.values() if p.uaq]
+        out.problems.append(f"uaq.enabled: UAQ rescales a full-precision trainer for an 8-bit rollout "
+                            f"(precision {' or '.join(uaq)}), not precision {cfg.precision!r}; set uaq.enabled=false")
+    if r.max_new_tokens >= r.context_length:
+        out.problems.append(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for the prompt in "
+                            f"rollout.context_length {r.context_length}; lower it or raise the context")
+
+
+def _model_config(cfg: Config, out: Preflight) -> tuple[str, dict[str, Any]] | None:
+    import json
+
+    from .models import resolve_model_path
+    from .models import ARCHITECTURES
+
+    try:
+        path = resolve_model_path(cfg.model.path)
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        out.problems.append(f"model.path: {err}")
+        return None
+    if hf.get("model_type") not in ARCHITECTURES:
+        out.problems.append(f"model.path: {path} is a {hf.get('model_type')!r} model; qurl-mcore trains "
+                            f"{list(ARCHITECTURES)}")
+        return None
+    return str(path), hf
+
+
+def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
+    t, r = cfg.train, cfg.rollout
+    heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    for name, tp in (("train.tp_size", t.tp_size), ("rollout.tp_size", r.tp_size)):
+        if heads % tp or groups % tp:
+            out.problems.append(f"{name}: {tp} must divide the model's {heads} attention heads and {groups} "
+                                f"key-value heads")
+    experts = num_experts(hf)
+    if t.ep_size > 1 and not experts:
+        out.problems.append(f"train.ep_size: {t.ep_size} needs an MoE model; this one is dense, use 1")
+    elif experts and experts % t.ep_size:
+        out.problems.append(f"train.ep_size: {t.ep_size} must divide the model's {experts} experts")
+
+
+def _placement(cfg: Config, use_gpu: bool, out: Preflight) -> None:
+    from .loop.actors import plan
+
+    try:
+        placement = plan(cfg, use_gpu)
+    except ValueError as err:
+        out.problems.append(str(err))
+        return
+    t = cfg.train
+    world = t.tp_size * t.dp_size
+    devices = sum(b.get(placement.device, 0) for b in placement.bundles)
+    out.summary.append(f"  layout      {cfg.layout}: trainer TP {t.tp_size} x DP {t.dp_size} (EP {t.ep_size}) = "
+                       f"{world} rank(s); {cfg.rollout.engines} engine(s) of TP {cfg.rollout.tp_size}; "
+                       f"{len(placement.bundles)} bundle(s), {devices:g} {placement.device}(s) in all")
+
+
+def preflight(cfg: Config, use_gpu: bool | None = None) -> Preflight:
+    """Check `cfg` as a whole (the fields themselves were checked by `load_config`). `use_gpu`: whether the
+    run targets GPUs (default: whether this machine has one)."""
+    out = Preflight()
+    if use_gpu is None:
+        import torch
+
+        use_gpu = torch.cuda.is_available()
+    precision, scope, fmt = cfg.resolved_precision()
+    _field_rules(cfg, out)
+    model = _model_config(cfg, out)
+    r = cfg.rollout
+    out.summary.append(f"  precision   {precision.name} ({precision.kind}): {precision.summary}")
+    default = " (the precision's default)" if cfg.scope == "auto" else ""
+    out.summary.append(f"              scope {scope}{default}, format {fmt or 'none'}")
+    if model is not None:
+        path, hf = model
+        kind = f"MoE, {num_experts(hf)} experts" if num_experts(hf) else "dense"
+        out.summary.insert(0, f"  model       {path} ({hf['model_type']}, {hf['num_hidden_layers']} layers, {kind})")
+        _parallel_checks(cfg, hf, out)
+        train = quantized_linears(hf, precision.name, scope, side="train")
+        roll = quantized_linears(hf, precision.name, scope, side="rollout")
+        mode = f"mode {precision.train}" if precision.trains_quantized else "full precision"
+        out.summary.append(f"  trainer     Megatron, {mode}: quantizes {_linears_line(hf, train)}")
+        method = f"{precision.rollout} (mode {METHODS[precision.rollout].mode})" if precision.rollout else "bf16"
+        out.summary.append(f"  engines     SGLang {method}, dtype {r.dtype}: quantize {_linears_line(hf, roll)}")
+    _placement(cfg, use_gpu, out)
+    t = cfg.train
+    out.summary.append(f"  loss        {t.loss} (eps {t.eps_low}/{t.eps_high}), {t.advantage} advantages, lr {t.lr}, "
+                       f"{cfg.data.prompts_per_step} prompts x {r.samples_per_prompt} samples per step, "
+                       f"{cfg.steps} steps")
+    out.summary.append("  uaq         " + (f"on, s = {cfg.uaq.scale}" if cfg.uaq.enabled else "off"))
+    out.summary.append(f"  outputs     checkpoints {cfg.checkpoint.dir} (every {cfg.checkpoint.every}), "
+                       f"logs {cfg.logging.dir}")
+    return out

@@ -1,0 +1,103 @@
+"""The precision table: one name per way of running both sides, and the same linears quantized on both.
+
+The symmetry tests build the real Megatron model (every precision x scope x architecture, in this process)
+and start real SGLang engines (`slow`: one per architecture x scope), and compare the linears each
+quantizes with `quantized_linears`, the table's answer.
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from qurl_mcore.models import ARCHITECTURES
+from qurl_mcore.models.tiny import tiny_checkpoint
+from qurl_mcore.precision import (
+    ALIGNMENT_ROWS, METHODS, PRECISIONS, SCOPES, default_scope, get_precision, linear_groups, markdown_table,
+    quantized_linears, resolve, rollout_spec, train_spec,
+)
+
+DOC = Path(__file__).parents[1] / "docs" / "precision.md"
+
+
+def test_every_row_names_real_methods_modes_and_formats():
+    from qurl_mcore.quant import FORMATS, MODES
+
+    for p in PRECISIONS.values():
+        assert p.train in MODES and p.scope in SCOPES
+        assert p.rollout is None or p.rollout in METHODS
+        assert all(f in FORMATS for f in p.formats)
+        assert p.kind in ("reference", "QuRL", "symmetric", "ablation")
+        if p.kind == "symmetric":  # both sides run the same numerics in the forward
+            assert train_spec(p.name).fmt == rollout_spec(p.rollout).fmt
+            assert train_spec(p.name).rc_forward == rollout_spec(p.rollout).rc_forward
+    assert [PRECISIONS[n].kind for n in ALIGNMENT_ROWS] == ["reference", "symmetric", "ablation", "ablation",
+                                                            "symmetric"]
+    assert {p.name for p in PRECISIONS.values() if p.uaq} == {"int8", "fp8"}
+
+
+def test_resolve_fills_defaults_and_refuses_what_a_precision_does_not_take():
+    assert resolve("int8") == (PRECISIONS["int8"], "all", "int8")
+    assert resolve("fp4_rc", "auto", "mxfp4") == (PRECISIONS["fp4_rc"], "experts", "mxfp4")
+    assert resolve("bf16", "experts") == (PRECISIONS["bf16"], "experts", None)
+    with pytest.raises(ValueError, match="unknown precision 'rc_training'"):
+        resolve("rc_training")
+    with pytest.raises(ValueError, match="unknown scope 'attention'"):
+        resolve("fp4", "attention")
+    with pytest.raises(ValueError, match=r"precision 'int8' runs in \['int8'\], not 'nvfp4'"):
+        resolve("int8", "all", "nvfp4")
+    assert default_scope("qurl_int8") == "all" and default_scope("qurl_fp4_rc") == "experts"
+    assert get_precision("fp4_rc_rollout").rollout == "qurl_fp4_rc"
+
+
+def test_linear_sets_by_hand():
+    """Tiny models: 2 layers, q/k/v/o attention; dense MLPs gate/up/down; the MoE has 4 experts."""
+    moe, dense = tiny_checkpoint("qwen3_moe"), tiny_checkpoint("qwen3")
+    assert len(quantized_linears(moe, "fp4_rc", "experts")) == 2 * 4 * 3
+    assert len(quantized_linears(moe, "fp4_rc", "all")) == 2 * 4 * 3 + 2 * 4
+    assert len(quantized_linears(dense, "int8", "experts")) == 2 * 3  # a dense model's MLP is its expert
+    assert len(quantized_linears(dense, "int8", "all")) == 2 * 3 + 2 * 4
+    assert quantized_linears(dense, "int8", side="train") == set()  # QuRL trains in full precision
+    assert quantized_linears(dense, "bf16") == set()
+    assert "model.layers.1.mlp.experts.3.down_proj" in quantized_linears(moe, "fp4")
+    assert not any(".mlp.gate" == n[-9:] for n in linear_groups(moe))  # the router is never a candidate
+
+
+def test_the_doc_table_is_the_table():
+    assert markdown_table() in DOC.read_text(), "regenerate docs/precision.md's table from markdown_table()"
+
+
+CASES = list(itertools.product(ARCHITECTURES, PRECISIONS, SCOPES))
+
+
+@pytest.mark.parametrize("arch,precision,scope", CASES, ids=["-".join(c) for c in CASES])
+def test_megatron_quantizes_the_tables_linears(megatron_ws1, arch, precision, scope):
+    from qurl_mcore.megatron import build_gpt
+    from qurl_mcore.megatron import quantized_linears as megatron_quantized
+
+    path = tiny_checkpoint(arch)
+    model = build_gpt(path, precision=precision, scope=scope)
+    assert megatron_quantized(model, path) == quantized_linears(path, precision, scope, side="train")
+
+
+# one engine per architecture x scope; the methods take turns, so each runs on two architectures
+ENGINES = [(arch, scope, method) for (arch, scope), method in
+           zip(itertools.product(ARCHITECTURES, SCOPES), itertools.cycle(METHODS))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,scope,method", ENGINES, ids=["-".join(c) for c in ENGINES])
+def test_sglang_quantizes_the_tables_linears(arch, scope, method, tmp_path, monkeypatch):
+    from qurl_mcore.sglang.options import QUANTIZED_LOG_ENV
+    from tests.sglang.conftest import local_engine
+
+    log = tmp_path / "quantized.txt"
+    log.touch()
+    monkeypatch.setenv(QUANTIZED_LOG_ENV, str(log))
+    path = str(tiny_checkpoint(arch))
+    with local_engine(path, method, {"scope": scope}) as engine:
+        assert engine.generate([[1, 2, 3]], {"max_new_tokens": 1})[0].output_ids  # it serves
+    got = set(log.read_text().split())
+    for precision in (p for p in PRECISIONS.values() if p.rollout == method):
+        assert got == quantized_linears(path, precision.name, scope, side="rollout"), precision.name
