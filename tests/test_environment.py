@@ -13,3 +13,16 @@ def test_tools_come_from_the_projects_environment():
     for tool in ("shellcheck", "ray", "qurl"):
         found = shutil.which(tool)
         assert found is not None and Path(found).parent == here, f"{tool}: {found}"
+
+
+def test_megatron_adapter_does_not_import_the_rollout_client():
+    """megatron/ and rollout/ share qurl_mcore/transfer.py; neither reaches into the other."""
+    import ast
+
+    root = Path(__file__).parents[1] / "qurl_mcore"
+    for package, other in (("megatron", "rollout"), ("rollout", "megatron")):
+        for path in (root / package).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    assert not node.module.startswith(f"qurl_mcore.{other}"), f"{path.name} imports {node.module}"
+                    assert not (node.level == 2 and node.module.startswith(other)), f"{path.name}: {node.module}"

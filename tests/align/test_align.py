@@ -36,7 +36,7 @@ def test_every_row_reports_every_metric(rows):
     assert list(rows) == list(ALIGNMENT_ROWS) == ["bf16", "fp4", "fp4_rc_rollout", "fp4_rc_train", "fp4_rc"]
     for name, row in rows.items():
         assert (row["rollout"], row["training"]) == (PRECISIONS[name].rollout or "bf16", PRECISIONS[name].train)
-        assert (row["scope"], row["fmt"]) == ("all", "mxfp4")
+        assert (row["scope"], row["fmt"]) == ("all", "mxfp4" if PRECISIONS[name].formats else "bf16")
         # sampled to the full length unless EOS came first; the tiny model has 2 MoE layers
         assert PROMPTS <= row["tokens"] <= PROMPTS * NEW_TOKENS
         assert len(row["topk_match_by_layer"]) == 2
@@ -134,7 +134,7 @@ def test_format_table():
     assert lines[1] == "|---|---|---|---|---|---|---|---|"
     assert lines[2] == "| bf16 | bf16 | bf16 | 96 | 1.0000 | 1.0000 | 1.0000 | 0.0000 |"
     assert lines[3] == "| fp4_rc | qurl_fp4_rc | rc_both | 96 | 0.9999 | 0.9688 | 0.9844 | 0.0012 |"
-    assert lines[-1] == "scope experts, fmt nvfp4"
+    assert lines[-1] == "scope experts, FP4 format nvfp4"
     with pytest.raises(ValueError, match="lacks"):
         align.format_table([_row("fp4", pcc=1.0)])
     with pytest.raises(ValueError, match="no rows"):

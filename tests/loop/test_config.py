@@ -78,3 +78,15 @@ def test_missing_or_malformed_file(tmp_path):
     (tmp_path / "sec.yaml").write_text("train: 3\n")
     with pytest.raises(ConfigError, match="train: expected a mapping of TrainConfig fields"):
         load_config(tmp_path / "sec.yaml")
+
+
+def test_the_precision_choices_are_the_tables():
+    """A precision the config accepts is one both sides know (a recipe name Megatron lacked used to pass the
+    config and crash after Ray and the engines were up)."""
+    import typing
+
+    from qurl_mcore.precision import PRECISIONS, SCOPES
+
+    hints = typing.get_type_hints(Config)
+    assert typing.get_args(hints["precision"]) == tuple(PRECISIONS)
+    assert typing.get_args(hints["scope"]) == ("auto", *SCOPES)

@@ -2,12 +2,15 @@
 micro-batch invariance of the update, NaN skipping, checkpoint state, and the exported weights."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from qurl_mcore.config import load_config
 from qurl_mcore.loop.batch import Sample, collate
 from qurl_mcore.loop.trainer import PolicyTrainer
+from qurl_mcore.rollout.engine import RolloutEngine
 
 
 def _trainer(*overrides: str) -> PolicyTrainer:
@@ -151,3 +154,46 @@ def test_the_training_forward_is_pi_prox():
         assert torch.equal(trained, trainer._no_grad_logprobs(trainer.model, batch))
     finally:
         trainer.close()
+
+
+
+class _RecordingEngine(RolloutEngine):
+    """The engine side of a tensor push, in process: it keeps only weak references to what it receives, and
+    notes, whenever a bucket arrives, how many tensors of earlier buckets are still alive somewhere."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.received, self.alive_at_arrival, self.version = [], [], None
+
+    def _generate(self, input_ids, sampling, extra):
+        raise NotImplementedError
+
+    def _control(self, call, **kwargs):
+        if call == "update_weights_from_tensor":
+            self.alive_at_arrival.append(sum(ref() is not None for ref in self.received))
+            self.received += [weakref.ref(t) for _, t in kwargs["named_tensors"]]
+        elif call == "update_weight_version":
+            self.version = kwargs["new_version"]
+        return True, ""
+
+    def model_info(self):
+        return {"weight_version": self.version}
+
+    def shutdown(self):
+        pass
+
+
+def test_push_streams_one_bucket_at_a_time():
+    """The push never holds the model: when bucket k reaches the engine, no tensor of buckets < k is alive
+    (before, the trainer staged the whole export, list(export_hf_weights(...)))."""
+    from qurl_mcore.loop.rollout import engine_config
+
+    trainer = _trainer("rollout.push_bucket_mb=1")
+    try:
+        engine = _RecordingEngine(engine_config(trainer.cfg, str(trainer.hf_dir), "cpu"))
+        trainer.engines, trainer.engine_ids = [engine], [0]
+        trainer.push_weights("v1")
+    finally:
+        trainer.close()
+    assert engine.version == "v1" and len(engine.alive_at_arrival) >= 3
+    assert engine.alive_at_arrival == [0] * len(engine.alive_at_arrival)
