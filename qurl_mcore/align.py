@@ -81,6 +81,8 @@ def default_model() -> Path:
 
 
 def _check_moe(model_path: str) -> None:
+    if not (Path(model_path) / "config.json").is_file():
+        raise ValueError(f"--model {model_path}: no config.json there; give a Qwen3-MoE HF checkpoint directory")
     config = json.loads((Path(model_path) / "config.json").read_text())
     if config.get("model_type") != "qwen3_moe":
         raise ValueError(f"{model_path} is a {config.get('model_type')!r} checkpoint; the alignment experiment "

@@ -4,10 +4,25 @@ from __future__ import annotations
 import argparse
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer, or a one-line error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _quant_report(args: argparse.Namespace) -> int:
     from .quant_report import run
 
-    print(run(args.tensor, args.rows, args.json))
+    try:
+        print(run(args.tensor, args.rows, args.json))
+    except (KeyError, ValueError, OSError) as err:
+        print(f"qurl quant-report: {err.args[0] if isinstance(err, KeyError) else err}")
+        return 2
     return 0
 
 
@@ -22,34 +37,45 @@ def _prepare_models(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import os
+    import shlex
     import sys
 
     from .config import ConfigError, load_config
+    from .loop.outcome import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED, RunFailure
     from .preflight import preflight
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         print(f"qurl train: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
     where = args.config or "the default config"
     if args.check:
-        checked = preflight(cfg)
+        checked = preflight(cfg, local=not (args.address or os.environ.get("RAY_ADDRESS")))
         if not checked.ok:
             print(f"qurl train --check: {where}: {checked.report()}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_CONFIG
         print(f"qurl train --check: {where} is ready to run\n{checked.report()}")
-        return 0
+        return EXIT_FINISHED
     from .loop.driver import run
 
+    again = shlex.join(["qurl", "train", *sys.argv[2:]]) if sys.argv[1:2] == ["train"] else "the same command"
     try:
         result = run(cfg, address=args.address)
     except ConfigError as err:
         print(f"qurl train: {where}: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
+    except RunFailure as err:
+        print(f"qurl train: {err}\nqurl train: the run stopped; resume from the last checkpoint in "
+              f"{cfg.checkpoint.dir} with: {again}", file=sys.stderr)
+        return EXIT_FAILED
     print(f"qurl train: {result.steps_done}/{cfg.steps} steps; metrics {result.log_dir / 'metrics.jsonl'}"
           + (f"; report {result.report}" if result.report else ""))
-    return 0
+    if result.stopped and result.steps_done < cfg.steps:
+        print(f"qurl train: stopped with a checkpoint; resume with: {again}", file=sys.stderr)
+        return EXIT_STOPPED
+    return EXIT_FINISHED
 
 
 def _patch(args: argparse.Namespace) -> int:
@@ -144,7 +170,7 @@ def _align(args: argparse.Namespace) -> int:
         with stdout_to_stderr():  # engine logs to stderr, the result alone to stdout
             rows = run_alignment(precisions, args.model, scope=args.scope, fmt=args.fmt, prompts=args.prompts,
                                  max_new_tokens=args.max_new_tokens, seed=args.seed)
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         print(f"qurl align: {err}")
         return 2
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
@@ -161,8 +187,8 @@ def _add_align(sub) -> None:
                    help=f"any of {', '.join(PRECISIONS)} (default: {', '.join(ALIGNMENT_ROWS)})")
     p.add_argument("--scope", choices=list(SCOPES), default="experts", help="quantized linears (default: experts)")
     p.add_argument("--fmt", choices=FP4_FORMATS, default="nvfp4", help="FP4 format (default: nvfp4)")
-    p.add_argument("--prompts", type=int, default=4, help=f"fixed prompts to sample from, 1-{len(PROMPTS)} (default 4)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="response length (default 32)")
+    p.add_argument("--prompts", type=_positive, default=4, help=f"fixed prompts to sample from, 1-{len(PROMPTS)} (default 4)")
+    p.add_argument("--max-new-tokens", type=_positive, default=32, help="response length (default 32)")
     p.add_argument("--seed", type=int, default=0, help="rollout engine's sampling seed (default 0)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.set_defaults(func=_align)
@@ -173,12 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("quant-report", help="each format's error and the RC gain on a real weight matrix")
     rep.add_argument("--tensor", default="token_embd.weight", help="GGUF tensor name of SmolLM2-135M-Instruct")
-    rep.add_argument("--rows", type=int, default=4096, help="first rows of the tensor to use (default 4096)")
+    rep.add_argument("--rows", type=_positive, default=4096, help="first rows of the tensor to use (default 4096)")
     rep.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rep.set_defaults(func=_quant_report)
     prep = sub.add_parser("prepare-models", help="convert/generate the cached test and demo checkpoints")
     prep.set_defaults(func=_prepare_models)
-    tr = sub.add_parser("train", help="run the QuRL loop: SGLang rollout, Megatron training, weights back each step")
+    from .loop import outcome
+
+    tr = sub.add_parser("train", help="run the QuRL loop: SGLang rollout, Megatron training, weights back each step",
+                        epilog="exit codes:\n" + outcome.__doc__.split("\n\n", 1)[1],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     tr.add_argument("--config", help="the run's YAML file (launch/configs/*.yaml); defaults apply without one")
     tr.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
     tr.add_argument("--check", action="store_true",

@@ -9,12 +9,16 @@ checks first and refuses to start on any problem.
 from __future__ import annotations
 
 import collections
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .config import Config
 from .precision import METHODS, PRECISIONS, get_precision, linear_groups, num_experts, quantized_linears
+
+
+DATA_SAMPLE = 100  # prompt rows read by the check (the run reads them all)
 
 
 @dataclass
@@ -49,6 +53,17 @@ def _field_rules(cfg: Config, out: Preflight) -> None:
         out.problems.append("data.path: task 'file' needs the path of a .jsonl or .parquet prompt file")
     elif d.task == "file" and not Path(d.path).is_file():
         out.problems.append(f"data.path: {d.path} does not exist")
+    elif d.task == "file":
+        from .tasks import load_examples
+
+        try:  # a sample now; the rollout manager reads every row at start and names any bad one the same way
+            load_examples(d.path, prompt_key=d.prompt_key, answer_key=d.answer_key, limit=DATA_SAMPLE)
+        except (ValueError, OSError) as err:
+            out.problems.append(f"data.path: {err}")
+    for name, path in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir)):
+        problem = _unwritable(Path(path))
+        if problem:
+            out.problems.append(f"{name}: {problem}; the run would stop at its first write, losing its steps")
     if t.advantage in ("grpo", "rloo") and r.samples_per_prompt < 2:
         out.problems.append(f"rollout.samples_per_prompt: {t.advantage} compares samples of one prompt; "
                             "use at least 2")
@@ -68,17 +83,32 @@ def _field_rules(cfg: Config, out: Preflight) -> None:
                             f"rollout.context_length {r.context_length}; lower it or raise the context")
 
 
+def _unwritable(path: Path) -> str | None:
+    """Why nothing could be written at `path` (created if missing), or None."""
+    existing = path.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user"
+    return None
+
+
 def _model_config(cfg: Config, out: Preflight) -> tuple[str, dict[str, Any]] | None:
     import json
 
-    from .models import resolve_model_path
-    from .models import ARCHITECTURES
+    from .models import ARCHITECTURES, resolve_model_path
 
     try:
         path = resolve_model_path(cfg.model.path)
         hf = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as err:
         out.problems.append(f"model.path: {err}")
+        return None
+    if not any(path.glob("*.safetensors")):
+        out.problems.append(f"model.path: {path} has a config.json but no *.safetensors weights; give an HF "
+                            "checkpoint directory")
         return None
     if hf.get("model_type") not in ARCHITECTURES:
         out.problems.append(f"model.path: {path} is a {hf.get('model_type')!r} model; qurl-mcore trains "
@@ -101,14 +131,21 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
         out.problems.append(f"train.ep_size: {t.ep_size} must divide the model's {experts} experts")
 
 
-def _placement(cfg: Config, use_gpu: bool, out: Preflight) -> None:
-    from .loop.actors import plan
+def _placement(cfg: Config, use_gpu: bool, out: Preflight, local: bool) -> None:
+    from .loop.actors import plan, unplaceable
 
     try:
         placement = plan(cfg, use_gpu)
     except ValueError as err:
         out.problems.append(str(err))
         return
+    if local:  # `qurl train` starts a one-node Ray cluster of this machine's devices
+        import torch
+
+        present = {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+        problem = unplaceable(placement, present, "this machine")
+        if problem:
+            out.problems.append(problem)
     t = cfg.train
     world = t.tp_size * t.dp_size
     devices = sum(b.get(placement.device, 0) for b in placement.bundles)
@@ -117,9 +154,10 @@ def _placement(cfg: Config, use_gpu: bool, out: Preflight) -> None:
                        f"{len(placement.bundles)} bundle(s), {devices:g} {placement.device}(s) in all")
 
 
-def preflight(cfg: Config, use_gpu: bool | None = None) -> Preflight:
+def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False) -> Preflight:
     """Check `cfg` as a whole (the fields themselves were checked by `load_config`). `use_gpu`: whether the
-    run targets GPUs (default: whether this machine has one)."""
+    run targets GPUs (default: whether this machine has one); `local`: the run starts its own Ray cluster on
+    this machine, so the placement must fit this machine's CPUs and GPUs."""
     out = Preflight()
     if use_gpu is None:
         import torch
@@ -143,7 +181,7 @@ def preflight(cfg: Config, use_gpu: bool | None = None) -> Preflight:
         out.summary.append(f"  trainer     Megatron, {mode}: quantizes {_linears_line(hf, train)}")
         method = f"{precision.rollout} (mode {METHODS[precision.rollout].mode})" if precision.rollout else "bf16"
         out.summary.append(f"  engines     SGLang {method}, dtype {r.dtype}: quantize {_linears_line(hf, roll)}")
-    _placement(cfg, use_gpu, out)
+    _placement(cfg, use_gpu, out, local)
     t = cfg.train
     out.summary.append(f"  loss        {t.loss} (eps {t.eps_low}/{t.eps_high}), {t.advantage} advantages, lr {t.lr}, "
                        f"{cfg.data.prompts_per_step} prompts x {r.samples_per_prompt} samples per step, "

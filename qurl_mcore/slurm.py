@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 LAYOUTS = ("colocated", "disaggregated")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 TEMPLATE = Path(__file__).resolve().parent.parent / "launch" / "slurm" / "job.sbatch.j2"
 
 #: Environment for NCCL over InfiniBand and for Megatron on GPUs. Site-specific settings (NCCL_IB_HCA,
@@ -106,8 +107,33 @@ class SlurmJob:
         for key in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 errors.append(f"--env {key!r} is not a valid variable name")
+        for name, value in self._texts():
+            if _CONTROL.search(value):
+                errors.append(f"{name} {value!r} holds a control character (a newline would start a line of "
+                              "its own in the job script); remove it")
+        if not self.command:
+            errors += self._override_problems()
         if errors:
             raise ValueError("invalid Slurm job:\n  " + "\n  ".join(errors))
+
+    def _texts(self) -> list[tuple[str, str]]:
+        """(option, value) of every text that reaches the rendered script."""
+        out = [(f"--{f.name.replace('_', '-')}", getattr(self, f.name)) for f in fields(self)
+               if isinstance(getattr(self, f.name), str)]
+        out += [("override", o) for o in self.overrides]
+        out += [(f"--env {k}=", v) for k, v in self.env.items()]
+        return out
+
+    def _override_problems(self) -> list[str]:
+        """The overrides checked as `qurl train` will check them, with the config file (schema, types,
+        ranges): a typo fails here, not on the cluster."""
+        from .config import ConfigError, load_config
+
+        try:
+            load_config(self.config if Path(self.config).is_file() else None, self.overrides)
+        except ConfigError as err:
+            return [f"qurl train would refuse: {line.strip()}" for line in str(err).splitlines()[1:]]
+        return []
 
     @property
     def train_nodes(self) -> int:

@@ -4,9 +4,11 @@
   free_port      a TCP port for a rendezvous or a server
   comm_backend   the torch.distributed backend of a device: NCCL on CUDA, gloo otherwise
   dtype_name     "bfloat16" for torch.bfloat16 (the name SGLang's update calls take)
+  bind_stores_to_their_address   torch.distributed rendezvous stores listen only where they are reached
 """
 from __future__ import annotations
 
+import errno
 import socket
 from typing import Any, Iterable, Iterator
 
@@ -55,3 +57,38 @@ def comm_backend(device: str | torch.device | None = None) -> str:
 def dtype_name(dtype: Any) -> str:
     """"bfloat16" for torch.bfloat16, "torch.bfloat16" or "bfloat16"."""
     return str(dtype).removeprefix("torch.")
+
+
+def bind_stores_to_their_address() -> None:
+    """Make the TCPStore that rank 0 of a torch.distributed rendezvous hosts listen on the address the other
+    ranks reach it at (127.0.0.1 for a local group, the node's interface for a group across nodes) instead
+    of on every interface, which is torch's default: a colocated run then opens nothing beyond loopback.
+    Idempotent; applied in the trainer's processes and, through the SGLang plugin, in every engine process."""
+    import importlib
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the package shadows it by a function
+    original = rendezvous._create_c10d_store
+    if getattr(original, "_qurl_bound", False):
+        return
+
+    def create_store(hostname, port, rank, world_size, timeout, use_libuv=True):
+        if rank != 0 or rendezvous._torchelastic_use_agent_store() or not use_libuv:
+            return original(hostname, port, rank, world_size, timeout, use_libuv)
+        family, kind, proto, _, address = socket.getaddrinfo(hostname, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as err:
+            sock.close()
+            if err.errno != errno.EADDRINUSE:
+                raise
+            # this process already serves a store there (torch's stores are multi-tenant): torch reuses it
+            return original(hostname, port, rank, world_size, timeout, use_libuv)
+        sock.listen(socket.SOMAXCONN)
+        return torch.distributed.TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True,
+                                          timeout=timeout, multi_tenant=True, use_libuv=True,
+                                          master_listen_fd=sock.detach())  # the store owns the socket now
+
+    create_store._qurl_bound = True
+    rendezvous._create_c10d_store = create_store

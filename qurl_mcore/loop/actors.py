@@ -13,11 +13,14 @@ tags (e.g. a plain `ray start`) places bundles anywhere. On CPU, a bundle is one
 """
 from __future__ import annotations
 
+import collections
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from qurl_mcore.config import Config
+from qurl_mcore.config import Config, ConfigError
+
+from .outcome import RunFailure
 
 _SLIVER = 0.001  # of a node tag: any number of bundles fit on a tagged node
 
@@ -63,6 +66,19 @@ def plan(cfg: Config, use_gpu: bool, tags: set[str] = frozenset()) -> Placement:
     return Placement(bundles, list(range(world)), list(range(world, world + cfg.rollout.engines)), 1.0, device)
 
 
+def unplaceable(placement: Placement, present: dict[str, float], where: str) -> str | None:
+    """Why `placement`'s bundles cannot all be placed on resources `present` (totals), or None."""
+    needed: collections.Counter = collections.Counter()
+    for bundle in placement.bundles:
+        needed.update({k: v for k, v in bundle.items() if k in ("CPU", "GPU")})
+    short = {k: (v, present.get(k, 0.0)) for k, v in needed.items() if v > present.get(k, 0.0)}
+    if not short:
+        return None
+    what = ", ".join(f"{need:g} {k} (has {have:g})" for k, (need, have) in short.items())
+    return (f"placement: {len(placement.bundles)} bundle(s) need {what} on {where}; lower train.dp_size / "
+            "train.tp_size / rollout.engines, or run on a larger cluster")
+
+
 def _options(placement: Placement, pg, index: int, devices: float, threads: int) -> dict[str, Any]:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -86,9 +102,29 @@ def _rendezvous() -> tuple[str, int]:
     return addr, free_port(addr)
 
 
-def start_actors(cfg: Config, model_path: str):
+def wait_for_placement(pg, stop, timeout: float = 600.0) -> None:
+    """Wait for placement group `pg` (resources that exist but are busy), giving up on `stop.requested` (a
+    signal) or after `timeout` seconds, with the group removed either way."""
+    import time
+
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    ready = pg.ready()
+    deadline = time.monotonic() + timeout
+    while not ray.wait([ready], timeout=1.0)[0]:
+        if (stop is not None and stop.requested) or time.monotonic() > deadline:
+            remove_placement_group(pg)
+            why = f"{stop.signal_name} received" if stop is not None and stop.requested else f"{timeout:.0f} s passed"
+            raise RunFailure(f"the Ray cluster did not place the run's bundles ({why}); other jobs may hold "
+                               "the resources: see `ray status`")
+
+
+def start_actors(cfg: Config, model_path: str, stop=None):
     """Create the placement group, the trainer group, the engine hosts and the rollout manager.
-    Returns (trainers, hosts, manager, placement group). Engines start in parallel with the trainers."""
+    Returns (trainers, hosts, manager, placement group). Engines start in parallel with the trainers.
+    A placement the cluster cannot hold is refused at once (ValueError naming what is missing); one it can
+    hold but not yet is waited for, as long as `stop` (a checkpoint.StopRequest) is not requested."""
     import ray
     from ray.util.placement_group import placement_group
 
@@ -98,8 +134,11 @@ def start_actors(cfg: Config, model_path: str):
     resources = ray.cluster_resources()
     use_gpu = resources.get("GPU", 0) > 0
     placement = plan(cfg, use_gpu, {t for t in ("qurl_train", "qurl_rollout") if t in resources})
+    problem = unplaceable(placement, resources, "the Ray cluster")
+    if problem:
+        raise ConfigError(problem)
     pg = placement_group(placement.bundles, strategy="PACK")
-    ray.get(pg.ready(), timeout=600)
+    wait_for_placement(pg, stop)
     threads = cfg.train.threads or os.cpu_count() or 1
     world = len(placement.trainer)
     engine_devices = placement.share * (cfg.rollout.tp_size if use_gpu and cfg.layout == "disaggregated" else 1)

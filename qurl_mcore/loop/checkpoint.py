@@ -1,11 +1,19 @@
-"""Atomic checkpoints: a step's files are written into `step_N.partial/` and the directory is renamed to
-`step_N/` only once every rank's file and the metadata are on disk, so a crash at any moment leaves either the
-previous checkpoint or the new one, never a half-written one that resuming would pick up.
+"""Checkpoints that are atomic, checksummed and written where the state lives.
 
-Layout: ROOT/step_00000012/{meta.json, rank0.pt, rank1.pt, ...}
+Each trainer rank writes its own file (`write_file`, called in the rank's process: no state travels through
+the driver) into `step_N.partial/`, hashing it as it goes; the driver writes its own file, then `finalize`
+records every file's size and SHA-256 in meta.json and publishes the directory with one rename. A crash at
+any moment leaves the previous checkpoint or the new one, never a half-written one that resuming would pick.
+
+A checkpoint can still be damaged afterwards (a full disk, a truncated copy, an edit): `verify` re-reads
+every file against meta.json, resuming takes the newest checkpoint that verifies (`latest_valid`, naming the
+damaged ones), and `finalize` deletes an older checkpoint only once its successor has verified.
+
+Layout: ROOT/step_00000012/{meta.json, driver.pt, rank0.pt, rank1.pt, ...}
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -19,57 +27,133 @@ import numpy as np
 import torch
 
 _STEP_DIR = re.compile(r"step_(\d{8})$")
+_CHUNK = 8 << 20
 
 
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def write_rank(root: str | Path, step: int, rank: int, state: dict[str, Any]) -> None:
-    """Save one rank's state (model/optimizer shards, data position, ...) into the step's partial directory."""
+class _HashingWriter:
+    """A binary file that hashes what is written to it (so a checkpoint is read back only to verify it)."""
+
+    def __init__(self, path: Path):
+        self.file, self.sha, self.size = open(path, "wb"), hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def write_file(root: str | Path, step: int, name: str, state: dict[str, Any]) -> dict[str, Any]:
+    """Save `state` as file `name` of step `step`'s partial checkpoint (durably: fsync'd before it takes its
+    name). Returns its record for `finalize`: {"file", "bytes", "sha256"}."""
     partial = step_dir(root, step).with_suffix(".partial")
     partial.mkdir(parents=True, exist_ok=True)
-    tmp = partial / f"rank{rank}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, partial / f"rank{rank}.pt")
+    tmp = partial / f"{name}.tmp"
+    writer = _HashingWriter(tmp)
+    try:
+        torch.save(state, writer)
+        writer.flush()
+        os.fsync(writer.file.fileno())
+    finally:
+        writer.file.close()
+    os.replace(tmp, partial / name)
+    return {"file": name, "bytes": writer.size, "sha256": writer.sha.hexdigest()}
 
 
-def finalize(root: str | Path, step: int, world_size: int, meta: dict[str, Any], keep: int = 2) -> Path:
-    """After every rank has called `write_rank` (the caller's barrier): write meta.json, publish the directory
-    with one rename, and delete all but the newest `keep` checkpoints."""
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def verify(path: str | Path) -> str | None:
+    """None if checkpoint directory `path` is whole, else what is wrong with it."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        files = meta["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"meta.json unreadable ({type(err).__name__}: {err})"
+    for record in files:
+        f = path / record["file"]
+        if not f.is_file():
+            return f"{record['file']} is missing"
+        if f.stat().st_size != record["bytes"]:
+            return f"{record['file']} has {f.stat().st_size} bytes, {record['bytes']} were written"
+        if _sha256(f) != record["sha256"]:
+            return f"{record['file']} does not match its checksum"
+    return None
+
+
+def finalize(root: str | Path, step: int, files: list[dict[str, Any]], meta: dict[str, Any], keep: int = 2) -> Path:
+    """After every file of the step was written (`write_file`; the caller's barrier): write meta.json with
+    the files' records, publish the directory with one rename, verify it, and only then delete older
+    checkpoints beyond the newest `keep` valid ones."""
     partial = step_dir(root, step).with_suffix(".partial")
-    missing = [r for r in range(world_size) if not (partial / f"rank{r}.pt").is_file()]
+    missing = [r["file"] for r in files if not (partial / r["file"]).is_file()]
     if missing:
-        raise RuntimeError(f"checkpoint step {step} lacks the files of ranks {missing}; was every rank saved?")
-    (partial / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, **meta}, indent=2))
+        raise RuntimeError(f"checkpoint step {step} lacks {missing}; was every rank saved?")
+    meta_path = partial / "meta.json"
+    meta_path.write_text(json.dumps({"step": step, **meta, "files": files}, indent=2))
+    with open(meta_path) as f:
+        os.fsync(f.fileno())
     final = step_dir(root, step)
     if final.exists():
         shutil.rmtree(final)
     os.replace(partial, final)
-    for old in list_checkpoints(root)[:-keep]:
+    problem = verify(final)
+    if problem is not None:
+        raise RuntimeError(f"checkpoint {final} did not verify after writing: {problem}; older checkpoints kept")
+    valid = [p for p in list_checkpoints(root) if p == final or verify(p) is None]
+    for old in valid[:-keep]:
         shutil.rmtree(old)
     return final
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
-    """Published checkpoints, oldest first (partial directories are ignored)."""
+    """Published checkpoint directories, oldest first (partial directories are ignored)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _STEP_DIR.search(p.name) and (p / "meta.json").is_file()]
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.search(p.name)]
     return sorted(found, key=lambda p: int(_STEP_DIR.search(p.name).group(1)))
 
 
+def latest_valid(root: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint that verifies or None, [(newer damaged checkpoint, its problem), ...])."""
+    damaged = []
+    for path in reversed(list_checkpoints(root)):
+        problem = verify(path)
+        if problem is None:
+            return path, damaged
+        damaged.append((path, problem))
+    return None, damaged
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
+    """The newest checkpoint that verifies."""
+    return latest_valid(root)[0]
 
 
-def read_rank(path: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(meta, this rank's state) of a published checkpoint."""
-    meta = json.loads((path / "meta.json").read_text())
-    state = torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=False)
-    return meta, state
+def read_meta(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / "meta.json").read_text())
+
+
+def read_file(path: str | Path, name: str) -> dict[str, Any]:
+    """One file's state of a published checkpoint."""
+    return torch.load(Path(path) / name, map_location="cpu", weights_only=False)
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
 
 
 def rng_state() -> dict[str, Any]:
@@ -84,15 +168,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class StopRequest:
-    """Turns SIGTERM (Slurm preemption, the job script's time-limit warning) into a flag the loop checks between
-    steps, so it checkpoints and exits instead of dying mid-step."""
+    """Turns SIGTERM (Slurm preemption, the job script's time-limit warning) and SIGINT (Ctrl-C) into a flag
+    the loop checks between steps and while it waits, so it checkpoints and exits instead of dying mid-step.
+    A second SIGINT interrupts at once (KeyboardInterrupt)."""
 
-    def __init__(self, signals=(signal.SIGTERM,)):
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
         self.requested = False
         self.signal_name = ""
         for sig in signals:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, _frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
         self.requested = True
         self.signal_name = signal.Signals(signum).name

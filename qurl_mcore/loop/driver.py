@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
-from qurl_mcore.config import Config, to_dict
+from qurl_mcore.config import Config, ConfigError, to_dict
 from qurl_mcore.rl.advantages import dynamic_sampling_mask, grpo_advantages, rloo_advantages
 
 from . import checkpoint as ckpt
 from .batch import Sample, collate
+from .outcome import RunFailure
 from .report import write_report
 from .tracking import MetricsLog
 
@@ -63,38 +64,87 @@ def advantages(cfg: Config, samples: list[Sample]) -> tuple[list[Sample], torch.
     return samples, adv, metrics
 
 
+DRIVER_FILE = "driver.pt"  # the driver's part of a checkpoint: its random generators
 BROADCAST_TIMEOUT_S = 600.0  # how long a broadcast waits for a stalled peer before failing the push
+
+
+def _reason(err: BaseException) -> str:
+    """The cause of a Ray error in one line: the actor's own exception, or how its process ended."""
+    cause = getattr(err, "cause", None)
+    if cause is not None and not isinstance(cause, type(err)):
+        return f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(err).__name__)[:500]
 
 
 class Loop:
     """The actors of one run and the step sequence over them."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, stop=None):
         import ray
 
-        from .actors import start_actors
         from qurl_mcore.models import resolve_model_path
 
+        from .actors import start_actors
+        from .rollout import EngineFailure
+
         self.cfg = cfg
-        self.model_path = str(resolve_model_path(cfg.model.path))
-        self.trainers, self.hosts, self.manager, self.pg = start_actors(cfg, self.model_path)
         self.ray = ray
+        self.model_path = str(resolve_model_path(cfg.model.path))
+        self.trainers, self.hosts, self.manager, self.pg = start_actors(cfg, self.model_path, stop)
         self.engine_restarts = 0
         self.groups_opened = 0  # weight broadcast groups (disaggregated layout), one more after each restart
-        self.connect()
+        try:
+            self.connect()
+        except BaseException as err:
+            self.close()
+            if isinstance(err, EngineFailure):
+                raise RunFailure(f"{err} while starting; see {cfg.logging.dir}/engine-{err.index}.log") from None
+            raise
+
+    # -- calls into the actors, failures named by actor ------------------------------------------------------
+    def trainers_do(self, method: str, *args) -> list:
+        """`method(*args)` on every trainer rank (they run together: most are collectives) and their results
+        in rank order. The first failure ends the wait: an EngineFailure a rank reports passes through (that
+        engine restarts); any other error is the rank's own and ends the run (RunFailure naming it)."""
+        from .rollout import EngineFailure
+
+        refs = {getattr(t, method).remote(*args): rank for rank, t in enumerate(self.trainers)}
+        results, pending = {}, list(refs)
+        while pending:
+            ready, pending = self.ray.wait(pending, num_returns=1)
+            rank = refs[ready[0]]
+            try:
+                results[rank] = self.ray.get(ready[0])
+            except Exception as err:  # noqa: BLE001 - every Ray error of a rank, classified below
+                if isinstance(getattr(err, "cause", None), EngineFailure):
+                    raise err.cause from None
+                raise RunFailure(f"trainer rank {rank} failed in {method}: {_reason(err)}; see "
+                                 f"{self.cfg.logging.dir}/trainer-{rank}.log") from None
+        return [results[rank] for rank in sorted(results)]
+
+    def manager_do(self, method: str, *args):
+        """`method(*args)` on the rollout manager; an engine's failure passes through as EngineFailure."""
+        from .rollout import EngineFailure
+
+        try:
+            return self.ray.get(getattr(self.manager, method).remote(*args))
+        except Exception as err:  # noqa: BLE001 - classified below
+            if isinstance(getattr(err, "cause", None), EngineFailure):
+                raise err.cause from None
+            raise RunFailure(f"the rollout manager failed in {method}: {_reason(err)}; see "
+                             f"{self.cfg.logging.dir}/rollout-manager.log") from None
 
     # -- weights and engine recovery ------------------------------------------------------------------------
     def connect(self) -> None:
         """Give the trainer ranks the engines' endpoints; in the disaggregated layout rank 0 then opens a
         weight group with every engine's TP ranks (NCCL on GPUs, gloo on CPUs), hosted on its node."""
-        ray = self.ray
-        endpoints = ray.get(self.manager.endpoints.remote())
-        ray.get([t.connect_engines.remote(endpoints) for t in self.trainers])
+        self.trainers_do("connect_engines", self.manager_do("endpoints"))
         if self.cfg.layout == "disaggregated":
-            backend = "nccl" if ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
+            backend = "nccl" if self.ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
             self.groups_opened += 1
-            where = ray.get(self.trainers[0].open_weight_group.remote(f"qurl-weights-{self.groups_opened}", backend,
-                                                                      BROADCAST_TIMEOUT_S))
+            where = self.trainers_do("open_weight_group", f"qurl-weights-{self.groups_opened}", backend,
+                                     BROADCAST_TIMEOUT_S)[0]
             say(f"weights go to the engines by {backend} broadcast (group at {where})")
 
     def check_symmetry(self) -> None:
@@ -103,8 +153,8 @@ class Loop:
         from qurl_mcore.precision import quantized_linears
 
         precision, scope, _ = self.cfg.resolved_precision()
-        engines = self.ray.get(self.manager.quantized_linears.remote())
-        trainer = set().union(*self.ray.get([t.quantized_linears.remote() for t in self.trainers]))
+        engines = self.manager_do("quantized_linears")
+        trainer = set().union(*self.trainers_do("quantized_linears"))
         problems = []
         want = quantized_linears(self.model_path, precision.name, scope, side="rollout")
         for i, got in enumerate(engines):
@@ -120,7 +170,7 @@ class Loop:
 
     def push(self, version: str, only: list[int] | None = None) -> float:
         """Every trainer rank streams its weights to its engines (collective); returns the seconds taken."""
-        return max(self.ray.get([t.push_weights.remote(version, only) for t in self.trainers]))
+        return max(self.trainers_do("push_weights", version, only))
 
     def recovering(self, action, version: str):
         """`action()`, retried after restarting a failed engine and loading it with the trainer's current
@@ -131,24 +181,24 @@ class Loop:
         for attempt in range(attempts + 1):
             try:
                 return action()
-            except Exception as err:  # noqa: BLE001 - Ray wraps the actors' EngineFailure
-                failure = getattr(err, "cause", err)
-                if not isinstance(failure, EngineFailure) or attempt == attempts:
-                    raise
+            except EngineFailure as failure:  # only an engine's failure restarts the engine
+                if attempt == attempts:
+                    raise RunFailure(f"{failure}, still after {attempts} restart(s); see "
+                                     f"{self.cfg.logging.dir}/engine-{failure.index}.log") from None
                 say(f"{failure}; restarting it ({attempt + 1}/{attempts})")
                 self.engine_restarts += 1
                 try:
-                    self.ray.get(self.manager.restart.remote(failure.index))
+                    self.manager_do("restart", failure.index)
                     if self.cfg.layout == "disaggregated":  # the new engine joins a new group with the others
-                        self.ray.get(self.trainers[0].close_weight_group.remote())
+                        self.trainers_do("close_weight_group")
                         self.connect()
                         self.push(version)
                     else:
                         self.connect()
                         self.push(version, only=[failure.index])
-                except Exception as again:  # noqa: BLE001 - counts as the next attempt's failure
+                except EngineFailure as again:  # counts as the next attempt's failure
                     say(f"restarting engine {failure.index} failed: {again}")
-                self.write_engines()
+                self.write_pids()
         raise AssertionError("unreachable")
 
     def push_all(self, version: str) -> float:
@@ -156,34 +206,33 @@ class Loop:
 
     def rollout(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """The step's samples (a failed engine is restarted with the current weights and the rollout retried)."""
-        return self.recovering(lambda: self.ray.get(self.manager.generate.remote(step)), f"step-{step}")
+        return self.recovering(lambda: self.manager_do("generate", step), f"step-{step}")
 
-    def write_engines(self) -> None:
-        """logging.dir/engines.json: the engine servers' process ids (operators, and the engine-kill test)."""
-        path = Path(self.cfg.logging.dir) / "engines.json"
-        path.write_text(json.dumps({"pids": self.ray.get(self.manager.pids.remote())}))
+    def write_pids(self) -> None:
+        """logging.dir/pids.json: the process ids of the engine servers and the trainer ranks (operators, and
+        the fault tests)."""
+        path = Path(self.cfg.logging.dir) / "pids.json"
+        path.write_text(json.dumps({"engines": self.manager_do("pids"), "trainers": self.trainers_do("pid")}))
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:
-        states = self.ray.get([t.state.remote() for t in self.trainers])
-        for rank, state in enumerate(states):
-            extra = {"rng": ckpt.rng_state()} if rank == 0 else {}
-            ckpt.write_rank(self.cfg.checkpoint.dir, step, rank, {**state, **extra})
-        meta = {"config": to_dict(self.cfg), "engine_restarts": self.engine_restarts}
-        return ckpt.finalize(self.cfg.checkpoint.dir, step, len(self.trainers), meta, keep=self.cfg.checkpoint.keep)
+        """Every rank writes its own file, the driver its RNG state; then the checkpoint is published."""
+        root = self.cfg.checkpoint.dir
+        files = self.trainers_do("save_checkpoint", root, step)
+        files.append(ckpt.write_file(root, step, DRIVER_FILE, {"rng": ckpt.rng_state()}))
+        meta = {"world_size": len(self.trainers), "config": to_dict(self.cfg), "engine_restarts": self.engine_restarts}
+        return ckpt.finalize(root, step, files, meta, keep=self.cfg.checkpoint.keep)
 
-    def restore(self) -> int:
-        """Load the latest checkpoint, if any; returns the step to continue from."""
-        path = ckpt.latest_checkpoint(self.cfg.checkpoint.dir)
+    def restore(self, path: Path | None) -> int:
+        """Load checkpoint `path` (verified), if any; returns the step to continue from."""
         if path is None:
             return 0
-        meta, _ = ckpt.read_rank(path, 0)
+        meta = ckpt.read_meta(path)
         if meta["world_size"] != len(self.trainers):
-            raise RuntimeError(f"{path} was written by {meta['world_size']} trainer ranks, this run has "
-                               f"{len(self.trainers)}; resume with the same train.tp_size/dp_size")
-        states = [ckpt.read_rank(path, rank)[1] for rank in range(len(self.trainers))]
-        self.ray.get([t.load_state.remote(s) for t, s in zip(self.trainers, states)])
-        ckpt.set_rng_state(states[0]["rng"])
+            raise ConfigError(f"{path} was written by {meta['world_size']} trainer ranks, this run has "
+                              f"{len(self.trainers)}; resume with the same train.tp_size/dp_size")
+        self.trainers_do("load_checkpoint", str(path))
+        ckpt.set_rng_state(ckpt.read_file(path, DRIVER_FILE)["rng"])
         self.engine_restarts = meta.get("engine_restarts", 0)
         return meta["step"]
 
@@ -196,7 +245,7 @@ class Loop:
         t_train = time.perf_counter()
         if samples:
             batch = collate(samples, adv, pad_id=0)
-            results = self.ray.get([t.step.remote(batch) for t in self.trainers])
+            results = self.trainers_do("step", batch)
             metrics.update(results[0])
         else:
             metrics["train/skipped_nonfinite"] = 0.0
@@ -212,13 +261,14 @@ class Loop:
         from ray.util.placement_group import remove_placement_group
 
         ray = self.ray
-        try:
-            ray.get([h.shutdown.remote() for h in self.hosts], timeout=120)
-            ray.get([t.close.remote() for t in self.trainers], timeout=120)
-        finally:
-            for actor in [*self.trainers, *self.hosts, self.manager]:
-                ray.kill(actor)
-            remove_placement_group(self.pg)
+        for actor in [*self.hosts, *self.trainers]:  # best effort: a failed actor has nothing left to close
+            try:
+                ray.get((actor.shutdown if actor in self.hosts else actor.close).remote(), timeout=120)
+            except Exception:  # noqa: BLE001 - killed below either way
+                pass
+        for actor in [*self.trainers, *self.hosts, self.manager]:
+            ray.kill(actor)
+        remove_placement_group(self.pg)
 
 
 def say(message: str) -> None:
@@ -245,22 +295,25 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     rollout-manager.log)."""
     import ray
 
-    from qurl_mcore.config import ConfigError
     from qurl_mcore.preflight import preflight
 
     from .checkpoint import StopRequest
     from .tracking import warnings_to_file
 
-    checked = preflight(cfg)
+    address = address or os.environ.get("RAY_ADDRESS")  # an existing cluster brings its own node tags
+    checked = preflight(cfg, local=not address)
     if not checked.ok:
         raise ConfigError(checked.report())
+    resume_from, damaged = ckpt.latest_valid(cfg.checkpoint.dir)  # before anything starts: it reads every file
+    for path, problem in damaged:
+        say(f"checkpoint {path} is damaged ({problem}); " +
+            (f"resuming from {resume_from} instead" if resume_from else "starting from scratch"))
     logs = Path(cfg.logging.dir)
     warnings_to_file(logs / "driver.log")
     precision, scope, _ = cfg.resolved_precision()
     say(f"{cfg.steps} steps of {cfg.model.path}, precision {precision.name} (scope {scope}), {cfg.layout}, "
         f"{cfg.train.tp_size * cfg.train.dp_size} trainer rank(s), {cfg.rollout.engines} engine(s); logs in {logs}")
     owns_ray = not ray.is_initialized()
-    address = address or os.environ.get("RAY_ADDRESS")  # an existing cluster brings its own node tags
     if owns_ray:
         # "local": never attach to a cluster some earlier `ray start` left behind on this machine
         ray.init(address=address or "local", resources=None if address else {"qurl_train": 1, "qurl_rollout": 1},
@@ -268,10 +321,10 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     stop = StopRequest()  # after ray.init, whose own SIGTERM handler would abort the driver
     torch.manual_seed(cfg.seed)
     log = MetricsLog(logs, wandb_project=cfg.logging.wandb_project, run_config=to_dict(cfg))
-    loop = Loop(cfg)
+    loop = Loop(cfg, stop)
     try:
         loop.write_engines()
-        step = loop.restore()
+        step = loop.restore(resume_from)
         if step:
             say(f"resuming at step {step} from {cfg.checkpoint.dir}")
         log.truncate(step)  # records of steps done after the checkpoint are redone
@@ -294,7 +347,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         bar.close()
         if stop.requested and step < cfg.steps:
             path = loop.save(step)
-            say(f"{stop.signal_name} at step {step}: checkpoint {path} written, exiting")
+            say(f"{stop.signal_name} at step {step}: checkpoint written to {path}, exiting")
     finally:
         log.close()
         loop.close()

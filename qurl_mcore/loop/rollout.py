@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import tempfile
 import time
 from pathlib import Path
@@ -72,8 +73,10 @@ class EngineHost:
     def start(self) -> tuple[str, str | None]:
         fd, self.quantized_log = tempfile.mkstemp(prefix="qurl-quantized-", suffix=".txt")
         os.close(fd)
+        # a fresh key per server: only the trainer ranks that push to it learn it (endpoint(), through Ray)
         self.engine = HttpEngine.launch(self.config, host=self.host, startup_timeout=self.startup_timeout,
-                                        env={QUANTIZED_LOG_ENV: self.quantized_log}, log_path=self.log_file)
+                                        api_key=secrets.token_urlsafe(32), env={QUANTIZED_LOG_ENV: self.quantized_log},
+                                        log_path=self.log_file)
         return self.endpoint()
 
     def endpoint(self) -> tuple[str, str | None]:

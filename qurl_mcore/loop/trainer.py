@@ -31,6 +31,7 @@ from qurl_mcore.config import Config
 from qurl_mcore.models import resolve_model_path
 from qurl_mcore.rl.losses import policy_loss
 
+from . import checkpoint as ckpt
 from .batch import TrainBatch
 from .tracking import redirect_output
 
@@ -260,6 +261,9 @@ class PolicyTrainer:
         after = quantized_weights(self.model, lambda name: name in before)
         return update_capture_ratio(before, after, spec.fmt, spec.weight_granularity)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def quantized_linears(self) -> set[str]:
         """HF module names of the linears this rank's model quantizes (the loop checks them)."""
         from qurl_mcore.megatron import quantized_linears
@@ -348,6 +352,15 @@ class PolicyTrainer:
     def load_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def save_checkpoint(self, root: str, step: int) -> dict[str, Any]:
+        """Write this rank's state into step `step`'s partial checkpoint (here, not through the driver);
+        returns the file's record for `checkpoint.finalize`."""
+        return ckpt.write_file(root, step, ckpt.rank_file(self.rank), self.state())
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load this rank's state from a published (verified) checkpoint."""
+        self.load_state(ckpt.read_file(path, ckpt.rank_file(self.rank)))
 
     def close(self) -> None:
         from qurl_mcore.megatron import destroy_parallel

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from qurl_mcore.transfer import comm_backend, free_port
+from qurl_mcore.transfer import bind_stores_to_their_address, comm_backend, free_port
 
 from .cpu_compat import apply_cpu_compat
 
@@ -34,6 +34,7 @@ def init_parallel(
     apply_cpu_compat()
     from megatron.core import parallel_state, tensor_parallel as mtp
 
+    bind_stores_to_their_address()
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size

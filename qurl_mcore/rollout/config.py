@@ -73,11 +73,12 @@ class EngineConfig:
     def apply_environment(self) -> None:
         os.environ.update(self.environment())
 
-    def server_argv(self, host: str, port: int, api_key: str | None = None) -> list[str]:
-        """`python -m sglang.launch_server` arguments for the same engine, listening on host:port."""
+    def server_argv(self, host: str, port: int, config_file: str | None = None) -> list[str]:
+        """`python -m sglang.launch_server` arguments for the same engine, listening on host:port; settings
+        that must not show in the process list (the API key) come from `config_file`, an SGLang YAML."""
         argv = ["--host", host, "--port", str(port)]
-        if api_key:
-            argv += ["--api-key", api_key]
+        if config_file:
+            argv += ["--config", config_file]
         for key, value in self.engine_kwargs().items():
             flag = "--" + key.replace("_", "-")
             if value is True:

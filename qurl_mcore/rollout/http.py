@@ -6,7 +6,9 @@ colocated RL layout). Across hosts, push through `update_weights_from_distribute
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,13 +41,23 @@ class HttpEngine(RolloutEngine):
                env: dict[str, str] | None = None, log_path: str | None = None) -> "HttpEngine":
         """Start `python -m sglang.launch_server` in its own process group, with `env` added to its
         environment, and wait until it serves. Its output goes to the end of `log_path`, which stays; by
-        default to a temporary file, removed at shutdown unless the server failed."""
+        default to a temporary file, removed at shutdown unless the server failed.
+
+        `api_key` reaches the server in a YAML file only its owner can read (never on the command line,
+        where every user of the machine sees it), removed once the server has read it."""
         port = port or free_port(host)
         if log_path:
             log = open(log_path, "a")
         else:
             log = tempfile.NamedTemporaryFile("w", prefix="qurl-sglang-", suffix=".log", delete=False)
-        argv = [sys.executable, "-m", "sglang.launch_server", *config.server_argv(host, port, api_key)]
+        secret_dir = tempfile.mkdtemp(prefix="qurl-engine-")  # mode 0700
+        config_file = None
+        if api_key:
+            config_file = os.path.join(secret_dir, "server.yaml")
+            fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"api-key: {json.dumps(api_key)}\n")
+        argv = [sys.executable, "-m", "sglang.launch_server", *config.server_argv(host, port, config_file)]
         process = subprocess.Popen(argv, env={**os.environ, **config.environment(), **(env or {})}, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         log.close()  # the server holds its own descriptor
@@ -57,6 +69,8 @@ class HttpEngine(RolloutEngine):
         except BaseException:
             engine.shutdown(keep_log=True)  # the error names the log
             raise
+        finally:
+            shutil.rmtree(secret_dir, ignore_errors=True)
         return engine
 
     def _wait_ready(self, timeout: float) -> None:

@@ -12,15 +12,18 @@ __all__ = ["METHODS", "QurlOptions", "register"]
 
 
 def register() -> None:
-    """Add the qurl methods to SGLang's registries and its `--quantization` choices, and complete the CPU
-    engine (cpu.py). Idempotent."""
+    """Add the qurl methods to SGLang's registries and its `--quantization` choices, complete the CPU engine
+    (cpu.py), and bind the process's rendezvous stores to their address (transfer.py). Idempotent."""
     from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
     from sglang.srt.layers import quantization as q
+
+    from qurl_mcore.transfer import bind_stores_to_their_address
 
     from . import cpu
     from .config import CONFIGS
 
     cpu.register()
+    bind_stores_to_their_address()  # the scheduler's rendezvous store listens on 127.0.0.1, not everywhere
 
     for method, cls in CONFIGS.items():
         # CPU_QUANTIZATION_METHODS is consulted instead of the others on AMX CPUs.

@@ -13,7 +13,7 @@ SHELLCHECK = shutil.which("shellcheck")
 @pytest.fixture
 def config(tmp_path):
     path = tmp_path / "train.yaml"
-    path.write_text("model: smollm2\n")
+    path.write_text("model:\n  path: smollm2\n")
     return str(path)
 
 
@@ -94,9 +94,9 @@ def test_no_secrets_in_templates(config, monkeypatch):
 
 
 def test_overrides_and_paths_are_shell_quoted(config):
-    script = render(_job(config, overrides=["rollout.prompt=what's 2+2"], workdir="/opt/my qurl"))
+    script = render(_job(config, overrides=["data.system_prompt=what's 2+2"], workdir="/opt/my qurl"))
     assert "workdir='/opt/my qurl'" in script
-    assert "'rollout.prompt=what'\"'\"'s 2+2'" in script
+    assert "'data.system_prompt=what'\"'\"'s 2+2'" in script
 
 
 @pytest.mark.parametrize("kw,message", [
@@ -107,6 +107,14 @@ def test_overrides_and_paths_are_shell_quoted(config):
     (dict(time="4h"), "--time must be a Slurm time"),
     (dict(job_name="my job"), "--job-name may hold"),
     (dict(env={"BAD-NAME": "1"}), "not a valid variable name"),
+    # a line of its own in the job script, run with the job's rights
+    (dict(account="rl\nrm -rf ~"), "--account 'rl\\nrm -rf ~' holds a control character"),
+    (dict(partition="h200\r\necho pwned"), "--partition 'h200\\r\\necho pwned' holds a control character"),
+    (dict(env={"NCCL_IB_HCA": "mlx5\nid"}), "--env NCCL_IB_HCA= 'mlx5\\nid' holds a control character"),
+    (dict(overrides=["train.lr=1e-6\nid"]), "override 'train.lr=1e-6\\nid' holds a control character"),
+    # overrides are checked with qurl train's own schema
+    (dict(overrides=["train.lrr=1"]), "qurl train would refuse: train.lrr: unknown field (did you mean train.lr?)"),
+    (dict(overrides=["train.eps_high=-1"]), "qurl train would refuse: train.eps_high: must be >= 0"),
 ])
 def test_bad_options_are_explained(config, kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):

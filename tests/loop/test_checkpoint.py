@@ -8,29 +8,69 @@ import pytest
 import torch
 
 from qurl_mcore.loop.checkpoint import (
-    StopRequest, finalize, latest_checkpoint, list_checkpoints, read_rank, rng_state, set_rng_state, write_rank,
+    StopRequest, finalize, latest_checkpoint, latest_valid, list_checkpoints, read_file, read_meta, rng_state,
+    set_rng_state, verify, write_file,
 )
+
+
+def _save(root, step, ranks=2, keep=2):
+    files = [write_file(root, step, f"rank{r}.pt", {"w": torch.full((3,), float(step + r)), "pos": step * 8})
+             for r in range(ranks)]
+    return finalize(root, step, files, {"world_size": ranks, "config": {"lr": 1e-6}}, keep=keep)
 
 
 def test_publish_read_and_keep_newest(tmp_path):
     for step in (5, 10, 15):
-        for rank in range(2):
-            write_rank(tmp_path, step, rank, {"w": torch.full((3,), float(step + rank)), "pos": step * 8})
-        finalize(tmp_path, step, 2, {"config": {"lr": 1e-6}}, keep=2)
+        _save(tmp_path, step)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000010", "step_00000015"]
-    meta, state = read_rank(latest_checkpoint(tmp_path), 1)
+    path = latest_checkpoint(tmp_path)
+    meta, state = read_meta(path), read_file(path, "rank1.pt")
     assert meta["step"] == 15 and meta["world_size"] == 2 and meta["config"] == {"lr": 1e-6}
+    assert [f["file"] for f in meta["files"]] == ["rank0.pt", "rank1.pt"] and verify(path) is None
     assert torch.equal(state["w"], torch.full((3,), 16.0)) and state["pos"] == 120
 
 
 def test_a_crash_before_publishing_leaves_the_previous_checkpoint(tmp_path):
-    write_rank(tmp_path, 1, 0, {"x": 1})
-    finalize(tmp_path, 1, 1, {})
-    write_rank(tmp_path, 2, 0, {"x": 2})  # crash here: step 2 never finalized
+    _save(tmp_path, 1, ranks=1)
+    write_file(tmp_path, 2, "rank0.pt", {"x": 2})  # crash here: step 2 never finalized
     assert latest_checkpoint(tmp_path).name == "step_00000001"
-    with pytest.raises(RuntimeError, match=r"lacks the files of ranks \[1\]"):
-        finalize(tmp_path, 2, 2, {})
+    with pytest.raises(RuntimeError, match=r"lacks \['rank1.pt'\]"):
+        finalize(tmp_path, 2, [{"file": "rank0.pt"}, {"file": "rank1.pt"}], {})
     assert latest_checkpoint(tmp_path).name == "step_00000001"
+
+
+@pytest.mark.parametrize("damage", ["truncated rank", "empty meta", "missing rank", "flipped byte"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_valid_one(tmp_path, damage):
+    _save(tmp_path, 1)
+    latest = _save(tmp_path, 2)
+    target = latest / "rank0.pt"
+    if damage == "truncated rank":
+        target.write_bytes(target.read_bytes()[:100])
+    elif damage == "empty meta":
+        (latest / "meta.json").write_text("")
+    elif damage == "missing rank":
+        (latest / "rank1.pt").unlink()
+    else:
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+    path, damaged = latest_valid(tmp_path)
+    assert path.name == "step_00000001" and read_file(path, "rank0.pt")["pos"] == 8
+    assert [p.name for p, _ in damaged] == ["step_00000002"] and damaged[0][1]
+    assert latest_checkpoint(tmp_path) == path
+
+
+def test_no_valid_checkpoint_is_deleted_before_its_successor_verifies(tmp_path):
+    _save(tmp_path, 1, keep=1)
+    (tmp_path / "step_00000001" / "meta.json").write_text("{}")  # damaged: left for inspection, never counted
+    _save(tmp_path, 2, keep=1)  # as one of the `keep` valid ones
+    _save(tmp_path, 3, keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000003"]
+    files = [write_file(tmp_path, 4, "rank0.pt", {"x": 4})]
+    files[0]["sha256"] = "0" * 64  # what a bad disk would make of it
+    with pytest.raises(RuntimeError, match="did not verify after writing"):
+        finalize(tmp_path, 4, files, {"world_size": 1}, keep=1)
+    assert latest_checkpoint(tmp_path).name == "step_00000003"  # the last good one is still there
 
 
 def test_rng_state_round_trip():

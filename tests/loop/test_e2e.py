@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qurl_mcore.loop.checkpoint import latest_checkpoint, read_rank
+from qurl_mcore.loop.checkpoint import latest_checkpoint, read_file, read_meta
 from qurl_mcore.loop.report import PANELS
 
 TINY = ["data.prompts_per_step=2", "data.num_prompts=16", "rollout.samples_per_prompt=2",
@@ -66,8 +66,8 @@ def _wait_for_step(run_dir: Path, process: subprocess.Popen, step: int, timeout:
 
 def _model_state(run_dir: Path) -> dict[str, torch.Tensor]:
     path = latest_checkpoint(run_dir / "ckpt")
-    meta, state = read_rank(path, 0)
-    return meta["step"], {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    state = read_file(path, "rank0.pt")
+    return read_meta(path)["step"], {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(dense_run, 
     process = _start(tmp_path, "model.path=tiny-llama", "steps=3", *GREEDY)
     _wait_for_step(tmp_path, process, 1)
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=300) == 0
+    assert process.wait(timeout=300) == 75  # EXIT_STOPPED: checkpoint written, run the same command to resume
     out = (tmp_path / "out.log").read_text()
     stopped_at, _ = _model_state(tmp_path)
     assert "SIGTERM at step" in out and stopped_at < 3, out[-3000:]
@@ -128,7 +128,7 @@ def test_disaggregated_broadcast_push_matches_the_colocated_run(dense_run, tmp_p
     for a, b in zip(got, want):
         for key in ("reward/mean", "mismatch/abs_logprob_diff", "loss/total"):
             assert a[key] == b[key], key
-    (_, mine), (_, theirs) = (read_rank(run / "ckpt" / "step_00000002", 0) for run in (tmp_path, dense_run))
+    mine, theirs = (read_file(run / "ckpt" / "step_00000002", "rank0.pt") for run in (tmp_path, dense_run))
     for name, value in theirs["model"].items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(mine["model"][name], value), name
@@ -138,13 +138,43 @@ def test_disaggregated_broadcast_push_matches_the_colocated_run(dense_run, tmp_p
 def test_killed_engine_is_replaced_and_the_run_finishes(tmp_path):
     process = _start(tmp_path, "model.path=tiny-llama", "steps=3")
     _wait_for_step(tmp_path, process, 1)
-    pid = json.loads((tmp_path / "logs" / "engines.json").read_text())["pids"][0]
+    pid = json.loads((tmp_path / "logs" / "pids.json").read_text())["engines"][0]
     os.killpg(pid, signal.SIGKILL)  # the server and its scheduler/detokenizer workers
     assert process.wait(timeout=600) == 0, (tmp_path / "out.log").read_text()[-4000:]
     records = _metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[-1]["rollout/engine_restarts"] == 1
-    assert json.loads((tmp_path / "logs" / "engines.json").read_text())["pids"][0] != pid
+    assert json.loads((tmp_path / "logs" / "pids.json").read_text())["engines"][0] != pid
+
+
+@pytest.mark.slow
+def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(dense_run, tmp_path):
+    """The dense run keeps steps 2 and 3. Step 3's rank file truncated (a full disk): the resume names it,
+    takes step 2 instead, redoes step 3, and ends with the uninterrupted run's weights, bit for bit."""
+    import shutil
+
+    shutil.copytree(dense_run / "ckpt", tmp_path / "ckpt")
+    shutil.copytree(dense_run / "logs", tmp_path / "logs", ignore=shutil.ignore_patterns("tensorboard"))
+    rank0 = tmp_path / "ckpt" / "step_00000003" / "rank0.pt"
+    rank0.write_bytes(rank0.read_bytes()[:1000])
+    out = _train(tmp_path, "model.path=tiny-llama", "steps=3", *GREEDY)
+    assert "step_00000003 is damaged (rank0.pt has 1000 bytes" in out and "resuming at step 2" in out, out[-3000:]
+    step, resumed = _model_state(tmp_path)
+    _, reference = _model_state(dense_run)
+    assert step == 3 and all(torch.equal(resumed[n], reference[n]) for n in reference)
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_ends_the_run_with_one_message_naming_it(tmp_path):
+    process = _start(tmp_path, "model.path=tiny-llama", "steps=4")
+    _wait_for_step(tmp_path, process, 1)
+    pids = json.loads((tmp_path / "logs" / "pids.json").read_text())
+    os.kill(pids["trainers"][0], signal.SIGKILL)
+    assert process.wait(timeout=300) == 1  # EXIT_FAILED
+    out = (tmp_path / "out.log").read_text()
+    assert "trainer rank 0 failed" in out and "resume from the last checkpoint" in out, out[-3000:]
+    assert "restarting" not in out and "Traceback" not in out, out[-3000:]  # not blamed on an engine
+    assert latest_checkpoint(tmp_path / "ckpt") is not None  # step 1's checkpoint stays for the resume
 
 
 @pytest.mark.slow

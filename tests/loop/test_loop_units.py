@@ -115,7 +115,7 @@ def test_shipped_configs_load_and_place(name, tmp_path):
 
     path = Path(__file__).parents[2] / "launch" / "configs" / f"{name}.yaml"
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"question": "1+1", "answer": "2"}\n')
+    prompts.write_text('{"question": "1+1", "prompt": "1+1", "problem": "1+1", "answer": "2"}\n')
     cfg = load_config(path, [] if name == "cpu_demo" else [f"data.path={prompts}"])
     gpu = name != "cpu_demo"
     p = plan(cfg, use_gpu=gpu, tags={"qurl_train", "qurl_rollout"})

@@ -97,3 +97,13 @@ def fail_on_rank_1(rank: int) -> int:
     if rank == 1:
         raise ValueError("rank 1 fails on purpose")
     return rank
+
+
+def listening_addresses(rank: int) -> list[str]:
+    """The addresses this rank's own sockets listen on, once Megatron's groups are up and have talked."""
+    import psutil
+
+    init_parallel(2)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"})

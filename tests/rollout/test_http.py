@@ -27,11 +27,47 @@ def server():
     assert engine.process.poll() is not None
 
 
-def test_binds_loopback_and_requires_the_key(server):
+# every endpoint a client of ours calls, and the ones that change or reveal the engine
+PROTECTED = [("post", "generate"), ("get", "v1/models"), ("get", "model_info"), ("get", "get_server_info"),
+             ("post", "update_weights_from_tensor"), ("post", "update_weights_from_distributed"),
+             ("post", "init_weights_update_group"), ("post", "update_weights_from_disk"),
+             ("post", "begin_weight_update"), ("post", "update_weight_version"), ("post", "flush_cache")]
+
+
+def test_every_endpoint_but_health_needs_the_key(server):
     engine, _ = server
     assert engine.url.startswith("http://127.0.0.1:")
-    r = requests.post(f"{engine.url}/generate", json={"input_ids": [1, 2, 3]}, timeout=30)
-    assert r.status_code == 401
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+        for method, endpoint in PROTECTED:
+            r = getattr(requests, method)(f"{engine.url}/{endpoint}", json={}, headers=headers, timeout=30)
+            assert r.status_code == 401, (endpoint, headers, r.status_code)
+    assert requests.get(f"{engine.url}/health", timeout=30).status_code == 200  # probes need no secret
+    assert engine.model_info()["weight_version"]  # the client, with the key, gets in
+
+
+def test_the_key_stays_off_the_process_list_and_every_socket_is_loopback(server):
+    import os
+
+    import psutil
+
+    engine, _ = server
+    group = [p for p in psutil.process_iter() if _pgid(p.pid) == os.getpgid(engine.process.pid)]
+    assert len(group) >= 2  # the HTTP server and its scheduler
+    for p in group:
+        assert KEY not in " ".join(p.cmdline()), p.cmdline()
+        for c in p.net_connections(kind="inet"):
+            if c.status == "LISTEN":
+                assert c.laddr.ip == "127.0.0.1", (p.name(), c.laddr)
+    assert not any(KEY in line for line in open(engine.log_path, errors="replace"))
+
+
+def _pgid(pid: int) -> int | None:
+    import os
+
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def test_generate_returns_ids_logprobs_and_routed_experts(server):

@@ -19,8 +19,9 @@ def test_engine_config_renders_quantization_and_cpu_settings():
     assert json.loads(kw["json_model_override_args"])["quantization_config"] == {
         "quant_method": "qurl_fp4_rc", "fmt": "mxfp4", "scope": "experts", "kernel": "auto", "master": "host"}
     assert kw["attention_backend"] == "torch_native" and cfg.environment() == {"SGLANG_USE_CPU_ENGINE": "1"}
-    argv = cfg.server_argv("127.0.0.1", 30000, api_key="k")
-    assert argv[:6] == ["--host", "127.0.0.1", "--port", "30000", "--api-key", "k"]
+    argv = cfg.server_argv("127.0.0.1", 30000, config_file="/private/server.yaml")
+    assert argv[:6] == ["--host", "127.0.0.1", "--port", "30000", "--config", "/private/server.yaml"]
+    assert not any("api" in a for a in argv)
     assert "--enable-return-routed-experts" in argv and "--skip-server-warmup" in argv
     assert argv[argv.index("--max-total-tokens") + 1] == "4096"
     with pytest.raises(ValueError, match="fmt"):

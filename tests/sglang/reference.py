@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qurl_mcore.precision import quantizes
 from qurl_mcore.quant import QuantLinearSpec, quantize_weight, quantized_linear
 
 
@@ -70,13 +71,13 @@ def reference_model(path, spec: QuantLinearSpec | None, scope: str = "all", dtyp
         return model
     for layer in model.model.layers:
         mlp = layer.mlp
-        if scope == "all":
+        if quantizes(scope, "attention"):
             _fuse(layer.self_attn, ["q_proj", "k_proj", "v_proj"], spec)
             _fuse(layer.self_attn, ["o_proj"], spec)
-            if hasattr(mlp, "gate_proj"):
-                _fuse(mlp, ["gate_proj", "up_proj"], spec)
-                _fuse(mlp, ["down_proj"], spec)
-        if hasattr(mlp, "experts"):
+        if hasattr(mlp, "gate_proj") and quantizes(scope, "mlp"):  # a dense model's MLP
+            _fuse(mlp, ["gate_proj", "up_proj"], spec)
+            _fuse(mlp, ["down_proj"], spec)
+        if hasattr(mlp, "experts") and quantizes(scope, "experts"):
             _quantize_experts(mlp.experts, spec)
     return model
 

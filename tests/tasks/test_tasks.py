@@ -36,9 +36,17 @@ def test_bad_prompt_files_are_explained(tmp_path):
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         load_examples(bad)
     keys = tmp_path / "keys.jsonl"
-    keys.write_text('{"problem": "q", "answer": "1"}\n')
-    with pytest.raises(KeyError, match=r"row 0 has no \['question'\]"):
+    keys.write_text('{"question": "q", "answer": "1"}\n\n{"problem": "q", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"keys.jsonl:3 has no \['question'\] .*set data.prompt_key"):
         load_examples(keys)
+    assert len(load_examples(keys, limit=1)) == 1  # a sample check reads only the first rows
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('[1, 2]\n')
+    with pytest.raises(ValueError, match=r"rows.jsonl:1: a row must be an object"):
+        load_examples(rows)
+    rows.write_text('{"question": "q", "answer": "1"}\n{"question": 7, "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"rows.jsonl:2: the prompt must be a string or a list"):
+        load_examples(rows)
     with pytest.raises(ValueError, match="use .jsonl or .parquet"):
         (tmp_path / "x.csv").write_text("a,b\n")
         load_examples(tmp_path / "x.csv")

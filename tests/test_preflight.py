@@ -1,0 +1,81 @@
+"""`qurl train --check`: what is refused before anything starts, each problem with the field and the fix."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from qurl_mcore.cli import main
+from qurl_mcore.config import load_config
+from qurl_mcore.loop.actors import Placement, unplaceable
+from qurl_mcore.models.tiny import tiny_checkpoint
+from qurl_mcore.preflight import preflight
+
+TINY = ["model.path=tiny-llama", "uaq.enabled=false", "precision=bf16"]
+
+
+def _problems(tmp_path, *overrides, **kw) -> str:
+    cfg = load_config(None, [*TINY, f"checkpoint.dir={tmp_path}/ckpt", f"logging.dir={tmp_path}/logs", *overrides])
+    return preflight(cfg, **kw).report()
+
+
+def test_a_good_config_passes_and_prints_the_resolved_run(tmp_path, capsys):
+    assert main(["train", "--check", *TINY, f"logging.dir={tmp_path}/logs", f"checkpoint.dir={tmp_path}/c"]) == 0
+    out = capsys.readouterr().out
+    assert "is ready to run" in out and "precision   bf16 (reference)" in out and "quantizes none" in out
+    assert not (tmp_path / "logs").exists()  # a check writes nothing
+
+
+def test_unwritable_output_directories(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    text = _problems(tmp_path, f"checkpoint.dir={blocker}/ckpt")
+    assert f"checkpoint.dir: {blocker} is a file, not a directory" in text
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert "logging.dir" in _problems(tmp_path, f"logging.dir={locked}/logs")
+
+
+def test_a_model_directory_without_weights(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((tiny_checkpoint("llama") / "config.json").read_text())
+    assert "has a config.json but no *.safetensors weights" in _problems(tmp_path, f"model.path={model}")
+    assert "no config.json there" in _problems(tmp_path, f"model.path={tmp_path}")
+
+
+def test_prompt_rows_are_checked(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n" + json.dumps({"q": "2+2"}) + "\n")
+    text = _problems(tmp_path, "data.task=file", f"data.path={data}")
+    assert f"data.path: {data}:2 has no ['question', 'answer']" in text
+    data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
+    assert _problems(tmp_path, "data.task=file", f"data.path={data}").startswith("  model")
+
+
+def test_placements_that_cannot_fit(tmp_path):
+    cpus = os.cpu_count()
+    text = _problems(tmp_path, f"train.dp_size={cpus + 1}", local=True)
+    assert f"placement: {cpus + 1} bundle(s) need {cpus + 1} CPU (has {cpus})" in text
+    assert "exceeds the 1 trainer" in _problems(tmp_path, "rollout.engines=2")
+    bundles = Placement([{"GPU": 1.0, "CPU": 1.0}] * 4, [0, 1, 2, 3], [0, 1, 2, 3], 0.5, "GPU")
+    assert unplaceable(bundles, {"GPU": 8.0, "CPU": 64.0}, "x") is None
+    assert "need 4 GPU (has 2)" in unplaceable(bundles, {"GPU": 2.0, "CPU": 64.0}, "the Ray cluster")
+
+
+def test_cross_field_numbers(tmp_path):
+    text = _problems(tmp_path, "rollout.max_new_tokens=600", "rollout.context_length=512", "train.tp_size=3")
+    assert "rollout.max_new_tokens: 600 leaves no room for the prompt" in text
+    assert "train.tp_size: 3 must divide the model's 4 attention heads" in text
+
+
+def test_bad_cli_arguments_end_with_one_line(capsys):
+    assert main(["quant-report", "--tensor", "nope"]) == 2
+    assert capsys.readouterr().out.startswith("qurl quant-report: no tensor 'nope'")
+    with pytest.raises(SystemExit) as exit_:
+        main(["quant-report", "--rows", "0"])
+    assert exit_.value.code == 2 and "expected a positive integer, got 0" in capsys.readouterr().err
+    assert main(["align", "--model", "/nonexistent"]) == 2
+    assert "qurl align: --model /nonexistent: no config.json there" in capsys.readouterr().out
