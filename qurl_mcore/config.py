@@ -55,6 +55,10 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # parameters; auto: bf16 on GPUs (fp32 main weights), fp32 on CPUs
+    distributed_optimizer: Literal["auto", "on", "off"] = "auto"  # auto: on for GPUs; the CPU cannot run it
+    mini_batches: int = 1  # optimizer steps per rollout batch; π_prox from a pass before the first when > 1
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation (Megatron's)
     tp_size: int = 1
     ep_size: int = 1
     dp_size: int = 1
@@ -114,6 +118,21 @@ class Config:
     seed: int = 0
     layout: Literal["colocated", "disaggregated"] = "colocated"
 
+    def train_dtype(self, cuda: bool | None = None):
+        """The trainer's parameter dtype: `train.dtype`, where auto is bf16 with CUDA and fp32 without."""
+        import torch
+
+        cuda = torch.cuda.is_available() if cuda is None else cuda
+        name = self.train.dtype if self.train.dtype != "auto" else ("bf16" if cuda else "fp32")
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+    def distributed_optimizer(self, cuda: bool | None = None) -> bool:
+        """Whether the trainer shards its optimizer state over data-parallel ranks (auto: on with CUDA)."""
+        import torch
+
+        cuda = torch.cuda.is_available() if cuda is None else cuda
+        return self.train.distributed_optimizer == "on" or (self.train.distributed_optimizer == "auto" and cuda)
+
     def resolved_precision(self):
         """(precision row, scope, format) with the defaults filled in (`qurl_mcore.precision.resolve`)."""
         p = get_precision(self.precision)
@@ -132,7 +151,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "data.prompts_per_step", "data.num_prompts", "data.max_operand", "rollout.samples_per_prompt",
         "rollout.max_new_tokens", "rollout.engines", "rollout.tp_size", "rollout.context_length",
         "rollout.push_bucket_mb", "train.tp_size", "train.ep_size", "train.dp_size", "train.micro_batch_size",
-        "train.lr", "checkpoint.every", "checkpoint.keep", "steps", "uaq.scale")},
+        "train.lr", "train.mini_batches", "checkpoint.every", "checkpoint.keep", "steps", "uaq.scale")},
     **{name: _NON_NEGATIVE for name in (
         "rollout.temperature", "rollout.max_total_tokens", "rollout.restart_attempts", "train.threads",
         "train.eps_high", "train.kl_coef", "train.entropy_coef", "train.grad_clip", "train.weight_decay")},

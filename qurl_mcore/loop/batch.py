@@ -40,8 +40,9 @@ class TrainBatch:
         return TrainBatch(self.input_ids[index], self.attention_mask[index], self.response_mask[index],
                           self.behav_logprobs[index], self.advantages[index])
 
-    def micro_batches(self, size: int) -> list["TrainBatch"]:
-        return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
+    def to(self, device: torch.device) -> "TrainBatch":
+        return TrainBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.response_mask,
+                                                   self.behav_logprobs, self.advantages)))
 
 
 def collate(samples: list[Sample], advantages: Tensor, pad_id: int) -> TrainBatch:

@@ -323,7 +323,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     log = MetricsLog(logs, wandb_project=cfg.logging.wandb_project, run_config=to_dict(cfg))
     loop = Loop(cfg, stop)
     try:
-        loop.write_engines()
+        loop.write_pids()
         step = loop.restore(resume_from)
         if step:
             say(f"resuming at step {step} from {cfg.checkpoint.dir}")

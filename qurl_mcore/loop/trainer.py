@@ -1,20 +1,20 @@
 """The training side of one RL step, on one Megatron rank: π_prox and π_ref log-probs, the policy loss, the
-optimizer step, and the weights the rollout engines load next.
+optimizer steps, and the weights the rollout engines load next.
 
 Every rank of the trainer group receives the whole batch. Data-parallel rank d takes rows d::dp (after the
 driver's shuffle-free collate, so DP shards have similar lengths); tensor/expert-parallel ranks of one DP rank
-see the same rows. Each micro-batch loss is its `agg` reduction times its share of the global normaliser (its
-response tokens / all response tokens for token_mean, its non-empty sequences / all for the seq_mean_*
-aggregations), so summing gradients over DP ranks and micro-batches gives the gradient of the loss of the
-whole batch, whatever the split.
+see the same rows. The rows are split into `train.mini_batches` parts, one optimizer step each, and each part
+into micro-batches of `train.micro_batch_size` rows for Megatron's schedule (megatron/training.py). Each
+micro-batch's loss function returns its `agg` loss times its units (response tokens for token_mean, non-empty
+sequences for seq_mean_token_mean, sequences for seq_mean_token_sum) and the units; Megatron divides the
+summed gradient by all units of the mini-batch over every DP rank, so the update is that of the loss of the
+whole mini-batch, whatever the split into ranks and micro-batches.
 
-Gradients are synchronised as Megatron's DDP would, without its CUDA buffers (so the same code runs on CPU):
-  sequence-parallel replicas (norms, routers)  summed over the TP group (each rank saw a sequence shard)
-  dense parameters                              summed over the DP group
-  expert parameters                             summed over the expert-DP group (tokens from every DP rank
-                                                already reached them through the all-to-all)
-The gradient norm counts each distinct parameter shard once: TP-duplicated parameters on TP rank 0 only,
-reduced over the model-parallel group (dense) or the expert-model-parallel group (experts).
+π_prox is the policy before the first update of the batch: with one mini-batch it is the training forward's
+own log-probs (detached), with more a no-grad pass before the first update (decoupled PPO).
+
+Everything runs on the rank's device: its GPU (the one Ray assigns, or LOCAL_RANK under srun/torchrun), or the
+CPU, with the same code (megatron/cpu_compat.py makes Megatron's training stack run on the CPU).
 """
 from __future__ import annotations
 
@@ -35,16 +35,13 @@ from . import checkpoint as ckpt
 from .batch import TrainBatch
 from .tracking import redirect_output
 
-def _normaliser(mask: torch.Tensor, agg: str) -> float:
+def _units(mask: torch.Tensor, agg: str) -> int:
+    """What the `agg` reduction of a micro-batch averages over: response tokens, non-empty sequences, rows."""
     if agg == "token_mean":
-        return float(mask.sum())
+        return int(mask.sum())
     if agg == "seq_mean_token_mean":
-        return float((mask.sum(dim=-1) > 0).sum())
-    return float(mask.shape[0])
-
-
-def _is_expert(param: torch.nn.Parameter) -> bool:
-    return not getattr(param, "allreduce", True)  # Megatron marks expert parameters allreduce=False
+        return int((mask.sum(dim=-1) > 0).sum())
+    return int(mask.shape[0])
 
 
 class PolicyTrainer:
@@ -58,6 +55,8 @@ class PolicyTrainer:
             redirect_output(log_file)
         from qurl_mcore.megatron import apply_uaq, build_gpt, init_parallel, load_hf_weights
         from qurl_mcore.megatron.models import load_hf_config
+        from qurl_mcore.megatron.parallel import current_device
+        from qurl_mcore.megatron.training import build_training
 
         self.cfg = cfg
         t = cfg.train
@@ -70,23 +69,26 @@ class PolicyTrainer:
 
         self.ps = ps
         self.rank = rank
+        self.device = current_device()
         self.hf_dir = resolve_model_path(cfg.model.path)
         self.hf = load_hf_config(self.hf_dir)
-        self.device = torch.device("cpu")
         precision, scope, fmt = cfg.resolved_precision()
-        self.model = build_gpt(self.hf_dir, precision=precision.name, scope=scope, fmt=fmt)
+        build = dict(precision=precision.name, scope=scope, fmt=fmt, dtype=cfg.train_dtype(),
+                     recompute=t.recompute, calculate_per_token_loss=True)
+        self.model = build_gpt(self.hf_dir, **build)
         load_hf_weights(self.model, self.hf_dir)
         if cfg.uaq.enabled:
             # training runs in the rescaled parameterisation, so every update is s times larger relative to
             # the rollout's quantization step (QuRL §4.3); the function computed is unchanged
             apply_uaq(self.model, cfg.uaq.scale)
+        self.stack = build_training(self.model, lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.grad_clip,
+                                    distributed_optimizer=cfg.distributed_optimizer(),
+                                    overlap_grad_reduce=self.device.type == "cuda")
         self.ref = None
         if t.kl_coef > 0:
-            self.ref = build_gpt(self.hf_dir, precision=precision.name, scope=scope, fmt=fmt)
+            self.ref = build_gpt(self.hf_dir, **build)
             load_hf_weights(self.ref, self.hf_dir)
             self.ref.requires_grad_(False).eval()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                                           betas=(0.9, 0.999), eps=1e-8)
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.engine_ids: list[int] = []  # the engines this rank pushes to (connect_engines)
@@ -104,141 +106,133 @@ class PolicyTrainer:
         return TrainBatch(pad(batch.input_ids, 0), pad(batch.attention_mask, False), pad(batch.response_mask, False),
                           pad(batch.behav_logprobs, 0.0), batch.advantages)
 
-    def _logprobs(self, model, batch: TrainBatch, grad: bool):
-        from qurl_mcore.megatron import token_logprobs
+    def _micro_batches(self, part: TrainBatch, *extra: torch.Tensor | None) -> list[tuple]:
+        """(micro-batch, its rows of each tensor in `extra` or None), on this rank's device."""
+        size = self.cfg.train.micro_batch_size
+        return [(part.select(rows).to(self.device), *(None if x is None else x[rows] for x in extra))
+                for rows in (slice(i, i + size) for i in range(0, len(part), size))]
 
-        return token_logprobs(model, batch.input_ids, attention_mask=batch.attention_mask,
-                              temperature=self.cfg.rollout.temperature, grad=grad,
-                              return_entropy=self.cfg.train.entropy_coef > 0 and grad)
+    def _forward_only(self, model, part: TrainBatch) -> torch.Tensor:
+        """Log-probs of `part` under `model`, no gradient, through the same schedule (pipeline stages)."""
+        from qurl_mcore.megatron.logprobs import logprobs_from_logits, model_inputs
+        from qurl_mcore.megatron.training import forward_only
 
-    def _no_grad_logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
-        parts = [self._logprobs(model, mb, grad=False).logprobs for mb in batch.micro_batches(self.cfg.train.micro_batch_size)]
-        return torch.cat(parts)
+        def forward(model_chunk, micro):
+            (mb,) = micro
+            inputs = model_inputs(mb.input_ids, attention_mask=mb.attention_mask)
+            logits = model_chunk(inputs.input_ids, inputs.position_ids, inputs.attention_mask)
 
-    # -- the step -------------------------------------------------------------------------------------------
+            def collect(out):
+                lp, _, _ = logprobs_from_logits(model, out, inputs, temperature=self.cfg.rollout.temperature)
+                return lp.detach()
+
+            return logits, collect
+
+        parts = forward_only(model, self._micro_batches(part), forward, seq_length=part.input_ids.shape[1],
+                             micro_batch_size=self.cfg.train.micro_batch_size)
+        return torch.cat(parts) if parts else torch.empty(0)
+
+    def _loss_forward(self, model_chunk, micro):
+        """One micro-batch of the training forward: the logits, and the loss function the schedule calls on
+        them, which returns (loss × units, units, metrics)."""
+        from qurl_mcore.megatron.logprobs import logprobs_from_logits, model_inputs
+
+        t = self.cfg.train
+        mb, prox, ref = micro
+        inputs = model_inputs(mb.input_ids, attention_mask=mb.attention_mask)
+        logits = model_chunk(inputs.input_ids, inputs.position_ids, inputs.attention_mask)
+
+        def loss_func(out):
+            lp, _, entropy = logprobs_from_logits(self.model, out, inputs, temperature=self.cfg.rollout.temperature,
+                                                  return_entropy=t.entropy_coef > 0)
+            proximal = lp.detach() if prox is None else prox.to(lp.device)
+            reference = None if ref is None else ref.to(lp.device)
+            units = _units(mb.response_mask, t.agg)
+            units_t = torch.tensor(units, dtype=torch.int, device=lp.device)
+            if not all(bool(torch.isfinite(x[mb.response_mask]).all())
+                       for x in (lp, mb.behav_logprobs) + (() if reference is None else (reference,))):
+                # e.g. an engine's -inf behaviour log-prob: NaN gradients reach every rank through the
+                # reductions, so every rank skips this update
+                return (lp * mb.response_mask).sum() * math.nan, units_t, {"units": float(units), "nonfinite": 1.0}
+            loss, metrics = policy_loss(
+                lp, proximal, mb.behav_logprobs, mb.advantages, mb.response_mask, method=t.loss, eps_low=t.eps_low,
+                eps_high=t.eps_high, tis_cap=t.tis_cap, agg=t.agg, ref_logprobs=reference, kl_coef=t.kl_coef,
+                kl_estimator=t.kl_estimator, entropy=entropy, entropy_coef=t.entropy_coef)
+            return loss * units, units_t, {**metrics, "units": float(units), "nonfinite": 0.0}
+
+        return logits, loss_func
+
     def step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on the policy loss. π_prox is the policy before this step's update: the batch
-        takes a single optimizer step, so π_prox equals the training forward's own log-probs (detached) and
-        costs no extra pass; π_ref (KL term on) is a no-grad pass of the frozen reference.
-        Returns metrics; a non-finite loss or gradient skips the update (`train/skipped_nonfinite` = 1)."""
+        """`train.mini_batches` optimizer steps on the policy loss (module docstring). π_ref (KL term on) is a
+        no-grad pass of the frozen reference. Returns metrics; an update whose loss or gradient is not finite
+        is skipped (`train/skipped_nonfinite`: the fraction of this batch's updates skipped)."""
+        from qurl_mcore.megatron.training import forward_backward
+        from qurl_mcore.megatron.training import step as optimizer_step
+
+        t = self.cfg.train
         start = time.perf_counter()
         full = self._pad_width(batch)
-        local = full.select(slice(self.dp_rank, None, self.dp_size))
-        ref = self._no_grad_logprobs(self.ref, local) if self.ref is not None else None
+        local = self._local_rows(full)
+        ref = self._forward_only(self.ref, local) if self.ref is not None else None
+        prox = self._forward_only(self.model, local) if t.mini_batches > 1 else None
         t_ref = time.perf_counter()
-        metrics, weight, nonfinite = self._forward_backward(local, ref, _normaliser(full.response_mask, self.cfg.train.agg))
-        if nonfinite:  # NaN gradients reach every rank through the reductions below, so all ranks skip
-            for p in self.model.parameters():
-                p.grad = torch.full_like(p, math.nan)
-        self._sync_grads()
-        metrics = self._reduce_metrics(metrics, weight)
-        grad_norm = self._grad_norm()
-        skipped = nonfinite or not math.isfinite(grad_norm) or \
-            not all(math.isfinite(v) for k, v in metrics.items() if k.startswith("loss/"))
-        capture = None if skipped else self._capture_before()
-        self._update(grad_norm, skipped)
+        capture = self._capture_before()
+        self.model.train()
+        records, norms, skipped = [], [], 0
+        for rows in _parts(len(local), t.mini_batches):
+            part = local.select(rows)
+            micro = self._micro_batches(part, None if prox is None else prox[rows], None if ref is None else ref[rows])
+            out = forward_backward(self.stack, micro, self._loss_forward, seq_length=part.input_ids.shape[1],
+                                   micro_batch_size=t.micro_batch_size)
+            part_metrics = self._reduce_metrics(out)
+            grad_norm, was_skipped = optimizer_step(
+                self.stack, t.grad_clip, skip=part_metrics.get("nonfinite", 0.0) > 0 or
+                not all(math.isfinite(v) for k, v in part_metrics.items() if k.startswith("loss/")))
+            records.append(part_metrics)
+            norms.append(grad_norm)
+            skipped += was_skipped
         end = time.perf_counter()
+        metrics = _mean_over_parts(records)
         metrics.update({
-            "train/grad_norm": grad_norm, "train/skipped_nonfinite": float(skipped), "train/lr": self.cfg.train.lr,
-            "time/ref_logprobs": t_ref - start, "time/train": end - t_ref,
+            "train/grad_norm": sum(norms) / len(norms), "train/skipped_nonfinite": skipped / len(norms),
+            "train/lr": t.lr, "time/ref_logprobs": t_ref - start, "time/train": end - t_ref,
             "perf/train_tokens_per_s": float(full.attention_mask.sum()) / max(end - start, 1e-9),
             "train/response_tokens": float(full.response_mask.sum()),
         })
-        if capture is not None:
+        if capture is not None and skipped < len(norms):
             metrics["uaq/update_capture"] = self._capture_after(capture)
         return metrics
 
-    def _forward_backward(self, local: TrainBatch, ref: torch.Tensor | None,
-                          norm: float) -> tuple[dict[str, float], float, bool]:
-        """Gradients of this rank's rows, micro-batch by micro-batch, each loss weighted by its share `w` of
-        the global normaliser `norm`. Returns (metrics as w-weighted means, the sum of w, whether an input
-        was non-finite: then the backward stops early)."""
-        t = self.cfg.train
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        total = 0.0
-        for i, mb in enumerate(local.micro_batches(t.micro_batch_size)):
-            rows = slice(i * t.micro_batch_size, (i + 1) * t.micro_batch_size)
-            out = self._logprobs(self.model, mb, grad=True)
-            weight = _normaliser(mb.response_mask, t.agg) / norm
-            if weight == 0:
-                continue
-            ref_mb = None if ref is None else ref[rows]
-            inputs = (out.logprobs, mb.behav_logprobs) + (() if ref_mb is None else (ref_mb,))
-            if not all(torch.isfinite(x[mb.response_mask]).all() for x in inputs):
-                return {}, total, True  # e.g. an engine's -inf behaviour log-prob: skip the step, keep the run
-            loss, metrics = policy_loss(
-                out.logprobs, out.logprobs.detach(), mb.behav_logprobs, mb.advantages, mb.response_mask,
-                method=t.loss, eps_low=t.eps_low, eps_high=t.eps_high, tis_cap=t.tis_cap, agg=t.agg,
-                ref_logprobs=ref_mb, kl_coef=t.kl_coef, kl_estimator=t.kl_estimator,
-                entropy=out.entropy, entropy_coef=t.entropy_coef)
-            (loss * weight).backward()
-            total += weight
-            for key, value in metrics.items():
-                sums[key] = max(sums.get(key, -math.inf), value) if key.endswith("/max") else \
-                    sums.get(key, 0.0) + weight * value
-        means = {k: (v if k.endswith("/max") else v / total) for k, v in sums.items()} if total else {}
-        return means, total, False
+    def _local_rows(self, full: TrainBatch) -> TrainBatch:
+        """This DP rank's rows; at least one (a fully masked copy of row 0 when there are fewer rows than DP
+        ranks), since every rank takes part in the schedule's collectives."""
+        local = full.select(slice(self.dp_rank, None, self.dp_size))
+        if len(local):
+            return local
+        empty = full.select(slice(0, 1))
+        empty.response_mask = torch.zeros_like(empty.response_mask)
+        return empty
 
-    def _update(self, grad_norm: float, skipped: bool) -> None:
-        """Clip to `train.grad_clip` and step, or drop the gradients of a skipped step."""
-        clip = self.cfg.train.grad_clip
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
-            return
-        if clip > 0 and grad_norm > clip:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(clip / (grad_norm + 1e-6))
-        self.optimizer.step()
-
-    def _reduce_metrics(self, metrics: dict[str, float], weight: float) -> dict[str, float]:
-        """Weighted means over DP ranks (each rank's weight is its share of the normaliser)."""
-        if self.dp_size == 1:
-            return metrics
-        keys = sorted(metrics)
-        sums = torch.tensor([metrics[k] * weight for k in keys] + [weight], dtype=torch.float64)
-        dist.all_reduce(sums, group=self.ps.get_data_parallel_group())
+    def _reduce_metrics(self, records: list[dict]) -> dict[str, float]:
+        """Unit-weighted means of the micro-batches' metrics over this rank and every DP rank ("/max": the
+        maximum)."""
+        keys = sorted({k for r in records for k in r if k != "units"})
+        sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
+        highest = torch.full((len(keys),), -math.inf, dtype=torch.float64)
+        for r in records:
+            w = r["units"]
+            sums[-1] += w
+            for i, k in enumerate(keys):
+                if k.endswith("/max"):
+                    highest[i] = max(highest[i], r.get(k, -math.inf))
+                else:
+                    sums[i] += w * r.get(k, 0.0)
+        if self.dp_size > 1:
+            group = self.ps.get_data_parallel_group()
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
         total = float(sums[-1]) or 1.0
-        return {k: float(v) / total for k, v in zip(keys, sums[:-1])}
-
-    def _sync_grads(self) -> None:
-        ps = self.ps
-        for p in self.model.parameters():
-            if p.grad is None:  # unused on this rank (e.g. an expert no local token chose)
-                if dist.get_world_size() == 1:
-                    continue
-                p.grad = torch.zeros_like(p)  # the reductions below need every rank to take part
-            if getattr(p, "sequence_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
-                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-            if _is_expert(p):
-                if ps.get_expert_data_parallel_world_size() > 1:
-                    dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
-            elif self.dp_size > 1:
-                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
-
-    def _grad_norm(self) -> float:
-        ps = self.ps
-        dense = torch.zeros((), dtype=torch.float64)
-        expert = torch.zeros((), dtype=torch.float64)
-        tp_rank = ps.get_tensor_model_parallel_rank()
-        etp_rank = ps.get_expert_tensor_parallel_rank()
-        for p in self.model.parameters():
-            if p.grad is None:
-                continue
-            sharded = getattr(p, "tensor_model_parallel", False)
-            sq = p.grad.double().pow(2).sum()
-            if _is_expert(p):
-                if sharded or etp_rank == 0:
-                    expert += sq
-            elif sharded or tp_rank == 0:
-                dense += sq
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            dist.all_reduce(dense, group=ps.get_model_parallel_group())
-        if ps.get_expert_model_parallel_world_size() * ps.get_expert_tensor_parallel_world_size() > 1:
-            dist.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
-        return math.sqrt(float(dense + expert))
+        return {k: float(highest[i]) if k.endswith("/max") else float(sums[i]) / total for i, k in enumerate(keys)}
 
     # -- update capture (QuRL §4.3) ---------------------------------------------------------------------------
     def _capture_before(self):
@@ -346,12 +340,12 @@ class PolicyTrainer:
     # -- checkpoints --------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """This rank's model shards and optimizer state."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"model": self.model.state_dict(), "optimizer": self.stack.optimizer.state_dict(),
                 "config": asdict(self.cfg.train)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.stack.optimizer.load_state_dict(state["optimizer"])
 
     def save_checkpoint(self, root: str, step: int) -> dict[str, Any]:
         """Write this rank's state into step `step`'s partial checkpoint (here, not through the driver);
@@ -367,3 +361,17 @@ class PolicyTrainer:
 
         self.close_weight_group()
         destroy_parallel()
+
+
+def _parts(rows: int, parts: int) -> list[slice]:
+    """`parts` consecutive slices of `rows` rows, as equal as can be (none empty while rows allow)."""
+    bounds = [round(i * rows / parts) for i in range(parts + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a] or [slice(0, rows)]
+
+
+def _mean_over_parts(records: list[dict[str, float]]) -> dict[str, float]:
+    """The mini-batches' metrics, averaged (their "/max" metrics: the maximum); "nonfinite" is dropped (the
+    step reports skipped updates itself)."""
+    keys = {k for r in records for k in r if k != "nonfinite"}
+    return {k: max(r[k] for r in records if k in r) if k.endswith("/max") else
+            sum(r[k] for r in records if k in r) / sum(k in r for r in records) for k in keys}

@@ -1,12 +1,16 @@
-"""Run megatron-core 0.16.1 on a machine without CUDA (CI, laptops): six small runtime fixes.
+"""Run megatron-core 0.16.1 on a machine without CUDA (CI, laptops): small runtime fixes, one per assumption.
 
 Megatron-Core assumes a GPU in a handful of places even when every tensor lives on the CPU. Each fix below
-replaces one such assumption with its CPU meaning; none changes any numerics. They are applied only when
-`torch.cuda.is_available()` is False, once per process, before or after megatron is imported (every fix
-patches the attribute that megatron reads at call time). With CUDA present `apply_cpu_compat()` does nothing.
+replaces one such assumption with its CPU meaning; none changes any numerics. `apply_cpu_compat()` applies
+them once per process, before or after megatron is imported (every fix patches the attribute that megatron
+reads at call time): all of them when `torch.cuda.is_available()` is False, and on a GPU only the ones that
+are bugs of megatron-core rather than CPU adaptations (`GPU_FIXES`: te_general_gemm, which an MoE without
+Transformer Engine needs on any device).
 
-Not covered (not needed by this project on CPU): megatron's DDP wrapper, its optimizers and schedules, which
-allocate buffers with a literal device="cuda"; the distributed optimizer. Train with plain torch optimizers.
+With them Megatron's own training stack runs on the CPU: `DistributedDataParallel`, `finalize_model_grads`,
+the schedules' `get_forward_backward_func` and `get_megatron_optimizer` (fp32). Not on the CPU: the
+distributed optimizer and Megatron's mixed-precision (bf16) optimizer, which check for CUDA tensor types
+(`qurl train --check` refuses them there).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import functools
 import logging
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 _APPLIED: list[str] = []
 
@@ -117,6 +122,49 @@ def _causal_masks() -> None:
         module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
 
 
+class _CudaDevicesOnCpu(TorchFunctionMode):
+    """device="cuda" (or cuda:N) in any torch call means the CPU; Tensor.cuda() and .to("cuda") are no-ops."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        name = getattr(func, "__name__", "")
+        if name == "cuda" and args:
+            return args[0]
+        if name == "to" and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _is_cuda(device) -> bool:
+    return isinstance(device, (str, torch.device)) and str(device).startswith("cuda")
+
+
+def _cuda_devices() -> None:
+    """Megatron's DDP buffers, optimizers, grad clipping and schedules allocate with a literal device="cuda"
+    (about 30 places); on a machine without CUDA that device is the CPU. A torch function mode, entered for
+    the rest of the process (which has no CUDA device to mean instead)."""
+    _CudaDevicesOnCpu().__enter__()
+
+
+def _clip_grads() -> None:
+    """clip_grad_by_total_norm_fp32 asserts grads of type torch.cuda.FloatTensor (the only other CUDA-type
+    check on the fp32 path); the same scaling, g *= max_norm / (total_norm + 1e-6) when below 1, without it."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizer
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        coeff = max_norm / (total_norm + 1.0e-6)
+        if coeff < 1.0:
+            for p in parameters:
+                g = p.decoupled_grad if use_decoupled_grad else p.grad
+                if g is not None:
+                    g.detach().mul_(coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
 #: (name, fix) in the order they are applied; docs/megatron.md describes each.
 FIXES = (
     ("current_device", _current_device),
@@ -125,15 +173,20 @@ FIXES = (
     ("streams", _streams),
     ("split_sizes_as_numpy", _split_sizes_as_numpy),
     ("causal_masks", _causal_masks),
+    ("cuda_devices", _cuda_devices),
+    ("clip_grads", _clip_grads),
 )
+#: the fixes that are megatron-core bugs on any device, applied on GPUs too
+GPU_FIXES = ("te_general_gemm",)
 
 
 def apply_cpu_compat() -> tuple[str, ...]:
-    """Apply every fix once if CUDA is absent; return the names of the fixes active in this process."""
-    if torch.cuda.is_available():
-        return ()
+    """Apply the fixes this process needs, once: all of them without CUDA, `GPU_FIXES` with it. Returns the
+    names of the fixes active in this process."""
     if not _APPLIED:
+        cuda = torch.cuda.is_available()
         for name, fix in FIXES:
-            fix()
-            _APPLIED.append(name)
+            if not cuda or name in GPU_FIXES:
+                fix()
+                _APPLIED.append(name)
     return tuple(_APPLIED)

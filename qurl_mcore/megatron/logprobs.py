@@ -30,7 +30,8 @@ class TokenLogProbs:
     entropy: Tensor | None = None
 
 
-def segments(attention_mask: Tensor | None, segment_ids: Tensor | None, shape: torch.Size) -> Tensor:
+def segments(attention_mask: Tensor | None, segment_ids: Tensor | None, shape: torch.Size,
+             device: torch.device | None = None) -> Tensor:
     """Segment ids [b, s] (≥ 0: which sequence of the row a token belongs to; -1: padding)."""
     if attention_mask is not None and segment_ids is not None:
         raise ValueError("give attention_mask (padded batch) or segment_ids (packed batch), not both")
@@ -39,7 +40,7 @@ def segments(attention_mask: Tensor | None, segment_ids: Tensor | None, shape: t
     elif attention_mask is not None:
         seg = torch.where(attention_mask.bool(), 0, -1)
     else:
-        seg = torch.zeros(shape, dtype=torch.long)
+        seg = torch.zeros(shape, dtype=torch.long, device=device)
     if seg.shape != shape:
         raise ValueError(f"mask/segment ids have shape {tuple(seg.shape)}, the tokens {tuple(shape)}")
     return seg
@@ -49,9 +50,57 @@ def attention_mask_for(seg: Tensor) -> Tensor:
     """Megatron's boolean attention mask [b, 1, s, s], True = may NOT attend: key after query, another
     segment, or padding."""
     s = seg.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device=seg.device).tril()
     same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0)
     return ~(causal & same)[:, None]
+
+
+@dataclass
+class ModelInputs:
+    """What a GPTModel forward takes for a batch of token ids, and the segments the log-probs need."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    attention_mask: Tensor
+    segments: Tensor
+
+
+def model_inputs(input_ids: Tensor, *, attention_mask: Tensor | None = None,
+                 segment_ids: Tensor | None = None) -> ModelInputs:
+    """The forward's inputs for `input_ids` [b, s], on its device (module docstring: masks, positions)."""
+    b, s = input_ids.shape
+    seg = segments(attention_mask, segment_ids, input_ids.shape, input_ids.device).to(input_ids.device)
+    position_ids = torch.arange(s, device=input_ids.device).expand(b, s)  # RoPE ignores them (module docstring)
+    return ModelInputs(input_ids, position_ids, attention_mask_for(seg), seg)
+
+
+def logprobs_from_logits(model: torch.nn.Module, logits: Tensor, inputs: ModelInputs, *, temperature: float = 1.0,
+                         return_entropy: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(logprobs [b, s], mask [b, s], entropy [b, s] or None) from the model's logits [b, s, V or V/TP]."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    input_ids, seg = inputs.input_ids, inputs.segments
+    b = input_ids.shape[0]
+    logits = logits[:, :-1].float() / temperature
+    targets = input_ids[:, 1:]
+    if model.parallel_output:
+        nll = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), targets.t().contiguous())
+        lp = -nll.t()
+    else:
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    ent = None
+    if return_entropy:
+        if model.parallel_output and logits.shape[-1] != model.vocab_size:
+            raise NotImplementedError("per-token entropy with a vocab-sharded output layer (TP > 1); "
+                                      "set the entropy coefficient to 0 or use TP = 1")
+        log_p = torch.log_softmax(logits, dim=-1)
+        ent = -(log_p.exp() * log_p).sum(-1)
+    valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] >= 0)
+    first = torch.zeros(b, 1, dtype=torch.bool, device=valid.device)
+    logprobs = torch.cat([first.to(lp.dtype), torch.where(valid, lp, 0.0)], dim=1)
+    mask = torch.cat([first, valid], dim=1)
+    entropy = None if ent is None else torch.cat([first.to(ent.dtype), torch.where(valid, ent, 0.0)], dim=1)
+    return logprobs, mask, entropy
 
 
 class _RouteRecorder:
@@ -102,40 +151,19 @@ def token_logprobs(
     divisible by TP. `temperature` divides the logits as the rollout engine's sampler does. `return_entropy`
     adds H_t = −Σ_v p_v log p_v of p = softmax(z[t-1]/T) (differentiable; needs the full vocabulary on one rank,
     i.e. TP = 1)."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    b, s = input_ids.shape
-    seg = segments(attention_mask, segment_ids, input_ids.shape)
-    position_ids = torch.arange(s).expand(b, s)  # RoPE ignores them (see module docstring)
+    inputs = model_inputs(input_ids, attention_mask=attention_mask, segment_ids=segment_ids)
     recorder = _RouteRecorder(model) if return_routed_experts else None
     try:
         with torch.set_grad_enabled(grad):
-            logits = model(input_ids, position_ids, attention_mask_for(seg))  # [b, s, V or V/TP]
-            logits = logits[:, :-1].float() / temperature
-            targets = input_ids[:, 1:]
-            if model.parallel_output:
-                nll = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), targets.t().contiguous())
-                lp = -nll.t()
-            else:
-                lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-            if return_entropy:
-                if model.parallel_output and logits.shape[-1] != model.vocab_size:
-                    raise NotImplementedError("per-token entropy with a vocab-sharded output layer (TP > 1); "
-                                              "set the entropy coefficient to 0 or use TP = 1")
-                log_p = torch.log_softmax(logits, dim=-1)
-                ent = -(log_p.exp() * log_p).sum(-1)
+            logits = model(inputs.input_ids, inputs.position_ids, inputs.attention_mask)  # [b, s, V or V/TP]
+            logprobs, mask, entropy = logprobs_from_logits(model, logits, inputs, temperature=temperature,
+                                                           return_entropy=return_entropy)
     finally:
         if recorder is not None:
             recorder.close()
-    valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] >= 0)
-    logprobs = torch.cat([torch.zeros(b, 1, dtype=lp.dtype), torch.where(valid, lp, 0.0)], dim=1)
-    mask = torch.cat([torch.zeros(b, 1, dtype=torch.bool), valid], dim=1)
-    entropy = None
-    if return_entropy:
-        entropy = torch.cat([torch.zeros(b, 1, dtype=ent.dtype), torch.where(valid, ent, 0.0)], dim=1)
     routes = None
     if recorder is not None:
         if not recorder.routes:
             raise ValueError("return_routed_experts=True but the model has no MoE router")
-        routes = recorder.gathered(b, model).masked_fill((seg < 0)[None, :, :, None], -1)
+        routes = recorder.gathered(input_ids.shape[0], model).masked_fill((inputs.segments < 0)[None, :, :, None], -1)
     return TokenLogProbs(logprobs, mask, routes, entropy)

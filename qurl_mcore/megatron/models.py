@@ -95,12 +95,23 @@ def gpt_config(hf_config, **overrides: Any):
     return TransformerConfig(**kw)
 
 
+#: train.recompute -> Megatron's activation recomputation settings
+RECOMPUTE: dict[str, dict[str, Any]] = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},  # core attention: the s x s part
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
 def build_gpt(
-    hf_config, *, precision: str = "bf16", scope: str = "auto", fmt: str | None = None, **overrides: Any
+    hf_config, *, precision: str = "bf16", scope: str = "auto", fmt: str | None = None,
+    dtype: torch.dtype = torch.float32, recompute: str = "none", **overrides: Any
 ):
     """A randomly initialised GPTModel shaped like `hf_config` (object or checkpoint dir), its linears
-    following the trainer side of `precision` under `scope`/`fmt` (see `gpt_spec`). Load weights with
-    `convert.load_hf_weights`. FP8 training on Transformer Engine gets Megatron's fp8 settings."""
+    following the trainer side of `precision` under `scope`/`fmt` (see `gpt_spec`), its parameters `dtype`
+    on the current device (the CUDA device when there is one), recomputing activations as `recompute` says
+    (`RECOMPUTE`). Load weights with `convert.load_hf_weights`. FP8 training on Transformer Engine gets
+    Megatron's fp8 settings."""
     from megatron.core.models.gpt import GPTModel
 
     from qurl_mcore.precision import train_spec
@@ -108,8 +119,12 @@ def build_gpt(
     from .spec import gpt_spec, te_fp8_available
 
     hf = load_hf_config(hf_config)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; use one of {list(RECOMPUTE)}")
     if train_spec(precision, fmt).weight_granularity == "tensor" and te_fp8_available():
         overrides = {"fp8": "e4m3", "fp8_recipe": "tensorwise", **overrides}
+    overrides = {"params_dtype": dtype, "pipeline_dtype": dtype, "bf16": dtype == torch.bfloat16,
+                 "use_cpu_initialization": not torch.cuda.is_available(), **RECOMPUTE[recompute], **overrides}
     config = gpt_config(hf, **overrides)
     return GPTModel(
         config=config,

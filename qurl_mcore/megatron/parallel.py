@@ -8,6 +8,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -35,6 +36,7 @@ def init_parallel(
     from megatron.core import parallel_state, tensor_parallel as mtp
 
     bind_stores_to_their_address()
+    bind_device()  # before NCCL's communicators, which take the current device
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -52,6 +54,21 @@ def init_parallel(
         expert_tensor_parallel_size=expert_tensor_parallel,
     )
     mtp.model_parallel_cuda_manual_seed(seed)
+
+
+def bind_device() -> torch.device:
+    """This process's device: the GPU it owns (LOCAL_RANK under srun/torchrun; the one Ray made visible), set
+    as torch's current device so that Megatron, NCCL and every default allocation land on it; else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def current_device() -> torch.device:
+    """The device `bind_device` chose."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def destroy_parallel() -> None:

@@ -13,8 +13,8 @@ def test_collate_places_responses_and_logprobs_at_their_positions():
     assert batch.response_mask.tolist() == [[False, False, False, True, True], [False, True, True, True, False]]
     assert batch.behav_logprobs.tolist() == [[0, 0, 0, -0.5, -1.5], pytest.approx([0, -0.1, -0.2, -0.3, 0])]
     assert batch.advantages.tolist() == [0.5, -0.5]
-    parts = batch.micro_batches(1)
-    assert len(parts) == 2 and parts[1].input_ids.tolist() == [[4, 9, 10, 11, 0]]
+    part = batch.select(slice(1, 2)).to(torch.device("cpu"))
+    assert len(part) == 1 and part.input_ids.tolist() == [[4, 9, 10, 11, 0]] and part.advantages.tolist() == [-0.5]
 
 
 def test_collate_rejects_inconsistent_samples():

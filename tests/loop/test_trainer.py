@@ -10,6 +10,7 @@ import torch
 from qurl_mcore.config import load_config
 from qurl_mcore.loop.batch import Sample, collate
 from qurl_mcore.loop.trainer import PolicyTrainer
+from qurl_mcore.megatron import token_logprobs
 from qurl_mcore.rollout.engine import RolloutEngine
 
 
@@ -30,7 +31,7 @@ def _batch(trainer: PolicyTrainer, seed: int = 0, behav_from_model: bool = True)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     batch = collate(samples, adv, pad_id=0)
     with torch.no_grad():
-        own = trainer._no_grad_logprobs(trainer.model, batch)
+        own = trainer._forward_only(trainer.model, batch)
     noise = 0.0 if behav_from_model else 0.05 * torch.randn(own.shape, generator=g)
     batch.behav_logprobs = torch.where(batch.response_mask, own + noise, 0.0)
     return batch
@@ -99,7 +100,7 @@ def test_non_finite_behaviour_logprob_skips_the_step():
         metrics = trainer.step(batch)
         assert metrics["train/skipped_nonfinite"] == 1.0
         assert all(torch.equal(before[n], p) for n, p in _params(trainer).items())
-        assert not trainer.optimizer.state  # no moment was touched either
+        assert not trainer.stack.optimizer.state  # no moment was touched either
     finally:
         trainer.close()
 
@@ -150,8 +151,9 @@ def test_the_training_forward_is_pi_prox():
     try:
         batch = _batch(trainer)
         trainer.model.train()
-        trained = trainer._logprobs(trainer.model, batch, grad=True).logprobs.detach()
-        assert torch.equal(trained, trainer._no_grad_logprobs(trainer.model, batch))
+        trained = token_logprobs(trainer.model, batch.input_ids, attention_mask=batch.attention_mask,
+                                 grad=True).logprobs.detach()
+        assert torch.equal(trained, trainer._forward_only(trainer.model, batch))
     finally:
         trainer.close()
 

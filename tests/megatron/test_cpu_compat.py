@@ -7,10 +7,24 @@ from qurl_mcore.megatron.cpu_compat import FIXES, apply_cpu_compat
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fixes apply only without CUDA")
 
 
-def test_all_six_fixes_apply_once():
+def test_every_fix_applies_once():
     names = apply_cpu_compat()
-    assert names == tuple(name for name, _ in FIXES) and len(names) == 6
+    assert names == tuple(name for name, _ in FIXES) and len(names) == 8
     assert apply_cpu_compat() == names  # idempotent
+
+
+def test_cuda_devices_mean_the_cpu_and_clipping_needs_no_cuda_tensors():
+    """What Megatron's DDP buffers, optimizers and schedules ask for (device="cuda", .cuda()) lands on the CPU,
+    and gradient clipping scales by max_norm / (total_norm + 1e-6) as Megatron's does."""
+    apply_cpu_compat()
+    import megatron.core.optimizer.clip_grads as clip_grads
+
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.ones(1).cuda().device.type == "cpu" and torch.ones(1).to("cuda:0").device.type == "cpu"
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 3.0)  # norm 6
+    clip_grads.clip_grad_by_total_norm_fp32([p], 1.0, 6.0)
+    assert torch.allclose(p.grad, torch.full((4,), 3.0 / (6.0 + 1e-6)))
 
 
 def test_fixes_replace_the_cuda_assumptions():
