@@ -177,6 +177,18 @@ def _align(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from .megatron.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
+    except (OSError, ValueError) as err:
+        print(f"qurl export: {err}")
+        return 2
+    print(f"qurl export: {out}")
+    return 0
+
+
 def _add_align(sub) -> None:
     from .align import PROMPTS
     from .precision import ALIGNMENT_ROWS, FP4_FORMATS, PRECISIONS, SCOPES
@@ -223,5 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     pat.set_defaults(func=_patch)
     _add_launch(sub)
     _add_align(sub)
+    exp = sub.add_parser("export", help="a run's checkpoint as an HF checkpoint (transformers, SGLang load it)")
+    exp.add_argument("checkpoint", help="a checkpoint step directory, or a checkpoint.dir (its newest valid one)")
+    exp.add_argument("out", help="the HF checkpoint directory to write")
+    exp.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    exp.set_defaults(func=_export)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -56,7 +56,7 @@ class RolloutConfig:
 @dataclass
 class TrainConfig:
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # parameters; auto: bf16 on GPUs (fp32 main weights), fp32 on CPUs
-    distributed_optimizer: Literal["auto", "on", "off"] = "auto"  # auto: on for GPUs; the CPU cannot run it
+    distributed_optimizer: Literal["auto", True, False] = "auto"  # auto: on for GPUs; the CPU cannot run it
     mini_batches: int = 1  # optimizer steps per rollout batch; π_prox from a pass before the first when > 1
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation (Megatron's)
     tp_size: int = 1
@@ -91,6 +91,7 @@ class CheckpointConfig:
     dir: str = "runs/demo/checkpoints"
     every: int = 10
     keep: int = 2
+    export_hf: bool = True  # at the end of the run, the trained model as an HF checkpoint in dir/hf
 
 
 @dataclass
@@ -131,7 +132,8 @@ class Config:
         import torch
 
         cuda = torch.cuda.is_available() if cuda is None else cuda
-        return self.train.distributed_optimizer == "on" or (self.train.distributed_optimizer == "auto" and cuda)
+        choice = self.train.distributed_optimizer
+        return choice is True or (choice == "auto" and cuda)
 
     def resolved_precision(self):
         """(precision row, scope, format) with the defaults filled in (`qurl_mcore.precision.resolve`)."""

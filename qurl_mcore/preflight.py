@@ -46,7 +46,7 @@ def _linears_line(hf: dict, names: set[str]) -> str:
     return f"{len(names)} linears (" + ", ".join(f"{g} {c}" for g, c in sorted(counts.items())) + ")"
 
 
-def _field_rules(cfg: Config, out: Preflight) -> None:
+def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
     """Rules between fields of the config alone."""
     t, r, d = cfg.train, cfg.rollout, cfg.data
     if d.task == "file" and not d.path:
@@ -78,6 +78,12 @@ def _field_rules(cfg: Config, out: Preflight) -> None:
         uaq = [p.name for p in PRECISIONS.values() if p.uaq]
         out.problems.append(f"uaq.enabled: UAQ rescales a full-precision trainer for an 8-bit rollout "
                             f"(precision {' or '.join(uaq)}), not precision {cfg.precision!r}; set uaq.enabled=false")
+    if not use_gpu and cfg.train.distributed_optimizer is True:
+        out.problems.append("train.distributed_optimizer: Megatron's distributed optimizer needs CUDA tensors "
+                            "(it checks for torch.cuda types); on CPUs use false or auto")
+    if not use_gpu and cfg.train.dtype == "bf16":
+        out.problems.append("train.dtype: bf16 training uses Megatron's mixed-precision optimizer, which needs CUDA "
+                            "tensors; on CPUs use fp32 or auto")
     if r.max_new_tokens >= r.context_length:
         out.problems.append(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for the prompt in "
                             f"rollout.context_length {r.context_length}; lower it or raise the context")
@@ -164,7 +170,7 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False) -> 
 
         use_gpu = torch.cuda.is_available()
     precision, scope, fmt = cfg.resolved_precision()
-    _field_rules(cfg, out)
+    _field_rules(cfg, out, use_gpu)
     model = _model_config(cfg, out)
     r = cfg.rollout
     out.summary.append(f"  precision   {precision.name} ({precision.kind}): {precision.summary}")
@@ -183,6 +189,10 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False) -> 
         out.summary.append(f"  engines     SGLang {method}, dtype {r.dtype}: quantize {_linears_line(hf, roll)}")
     _placement(cfg, use_gpu, out, local)
     t = cfg.train
+    dtype = str(cfg.train_dtype(use_gpu)).removeprefix("torch.")
+    out.summary.append(f"  training    {dtype} parameters" + (" with fp32 main weights" if dtype == "bfloat16" else "")
+                       + f", {'distributed' if cfg.distributed_optimizer(use_gpu) else 'replicated'} Adam, "
+                       f"{t.mini_batches} optimizer step(s) per batch, recompute {t.recompute}")
     out.summary.append(f"  loss        {t.loss} (eps {t.eps_low}/{t.eps_high}), {t.advantage} advantages, lr {t.lr}, "
                        f"{cfg.data.prompts_per_step} prompts x {r.samples_per_prompt} samples per step, "
                        f"{cfg.steps} steps")

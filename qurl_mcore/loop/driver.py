@@ -345,6 +345,8 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
             if step % cfg.checkpoint.every == 0 or step == cfg.steps:
                 say(f"checkpoint {loop.save(step)}")
         bar.close()
+        if step == cfg.steps and cfg.checkpoint.export_hf:
+            say(f"exported the trained model to {loop.trainers_do('export_hf', str(Path(cfg.checkpoint.dir) / 'hf'))[0]}")
         if stop.requested and step < cfg.steps:
             path = loop.save(step)
             say(f"{stop.signal_name} at step {step}: checkpoint written to {path}, exiting")

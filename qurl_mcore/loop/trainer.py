@@ -352,6 +352,14 @@ class PolicyTrainer:
         returns the file's record for `checkpoint.finalize`."""
         return ckpt.write_file(root, step, ckpt.rank_file(self.rank), self.state())
 
+    def export_hf(self, out_dir: str) -> str | None:
+        """Collective: the model as an HF checkpoint in `out_dir` (UAQ undone), written by rank 0."""
+        from qurl_mcore.megatron.export import write_hf_checkpoint
+
+        out = write_hf_checkpoint(self.model, self.hf_dir, out_dir,
+                                  uaq_scale=self.cfg.uaq.scale if self.cfg.uaq.enabled else None)
+        return None if out is None else str(out)
+
     def load_checkpoint(self, path: str) -> None:
         """Load this rank's state from a published (verified) checkpoint."""
         self.load_state(ckpt.read_file(path, ckpt.rank_file(self.rank)))

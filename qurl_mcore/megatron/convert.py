@@ -21,7 +21,7 @@ SGLang's weight update takes, optionally UAQ-scaled on the way out.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,12 +108,17 @@ def _qkv_shape(hf_config) -> tuple[int, int, int]:
     return hf.num_key_value_heads, hf.num_attention_heads // hf.num_key_value_heads, head_dim
 
 
+def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, d: int) -> torch.Tensor:
+    """[q_g, k_g, v_g] for each of `groups` query groups (rows of head dim d)."""
+    q, k, v = (t.reshape(groups, -1, d, *t.shape[1:]) for t in (q, k, v))
+    return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[3:])
+
+
 def merge(layout: str, tensors: list[torch.Tensor], hf_config) -> torch.Tensor:
     """Megatron's full (TP=1) tensor from the HF tensors of a rule."""
     if layout == "qkv":
         groups, q_per_group, d = _qkv_shape(hf_config)
-        q, k, v = (t.reshape(groups, -1, d, *t.shape[1:]) for t in tensors)
-        return torch.cat([q, k, v], dim=1).reshape(-1, *tensors[0].shape[1:])
+        return _interleave(*tensors, groups, d)
     if layout == "gate_up":
         return torch.cat(tensors, dim=0)
     (tensor,) = tensors
@@ -213,30 +218,77 @@ def hf_names(model, hf_config, param_name: str) -> list[str]:
     return _sources(rules, param_name, _placement(model))[1]
 
 
-def load_hf_weights(model, hf_dir: str | Path, state: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Copy an HF checkpoint (directory `hf_dir`, tensors from `state` if given) into this rank's shards of
-    `model`, cast to the parameters' dtype. Raises if a parameter has no source or an HF tensor is unused
-    (a tied checkpoint may carry a redundant lm_head.weight)."""
+class _Checkpoint:
+    """The tensors of an HF checkpoint directory, opened lazily: a rank reads only the rows or columns it
+    owns (safetensors slices are read from the memory-mapped file, not the whole tensor)."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        self._handles = [safe_open(str(f), "pt") for f in files]
+        self.where = {name: h for h in self._handles for name in h.keys()}
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Tensor `name`, or its [start, stop) range along `dim`."""
+        view = self.where[name].get_slice(name)
+        if dim is None:
+            return view[:]
+        index = (slice(None),) * dim + (slice(start, stop),)
+        return view[index]
+
+
+def _chunk(n: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, stop) of chunk `rank` of `size` along a dimension of n, as torch.chunk cuts it."""
+    step = -(-n // size)
+    return min(rank * step, n), min((rank + 1) * step, n)
+
+
+def _read_local(ckpt: _Checkpoint, layout: str, names: list[str], hf, rank: int, size: int) -> torch.Tensor:
+    """This rank's shard of a rule's merged tensor, reading only that shard's slices of the HF tensors:
+    equal to shard(layout, merge(layout, full tensors), rank, size)."""
+    if layout == "replicated" or size == 1:
+        return merge(layout, [ckpt.read(n) for n in names], hf)
+    if layout in ("rows", "columns"):
+        (name,) = names
+        dim = 0 if layout == "rows" else 1
+        return ckpt.read(name, dim, *_chunk(ckpt.shape(name)[dim], rank, size))
+    if layout == "gate_up":
+        return torch.cat([ckpt.read(n, 0, *_chunk(ckpt.shape(n)[0], rank, size)) for n in names])
+    groups, q_per_group, d = _qkv_shape(hf)  # qkv: whole query groups per rank
+    first, last = _chunk(groups, rank, size)
+    rows = [(first * q_per_group * d, last * q_per_group * d), (first * d, last * d), (first * d, last * d)]
+    q, k, v = (ckpt.read(n, 0, a, b) for n, (a, b) in zip(names, rows))
+    return _interleave(q, k, v, last - first, d)
+
+
+def load_hf_weights(model, hf_dir: str | Path) -> None:
+    """Copy the HF checkpoint in directory `hf_dir` into this rank's shards of `model`, cast to the
+    parameters' dtype, reading only the tensors and slices this rank owns. Raises if a parameter has no
+    source or an HF tensor is unused (a tied checkpoint may carry a redundant lm_head.weight)."""
     hf = load_hf_config(hf_dir)
-    state = read_hf_state(hf_dir) if state is None else state
+    ckpt = _Checkpoint(hf_dir)
     where = _placement(model)
     rules = [(r, _pattern(r.megatron)) for r in name_table(hf)]
     used: set[str] = set()
-    params = dict(model.named_parameters())
-    for name, param in params.items():
+    for name, param in model.named_parameters():
         rule, names = _sources(rules, name, where)
         group = where.etp_group if _is_expert(rule) else where.tp_group
-        missing = [n for n in names if n not in state]
+        missing = [n for n in names if n not in ckpt.where]
         if missing:
             raise KeyError(f"{name} needs {missing}, absent from the HF checkpoint")
-        full = merge(rule.layout, [state[n] for n in names], hf)
-        local = shard(rule.layout, full, group.rank(), group.size())
+        local = _read_local(ckpt, rule.layout, names, hf, group.rank(), group.size())
         if local.shape != param.shape:
             raise ValueError(f"{name}: HF gives {tuple(local.shape)}, the model has {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(local.to(param.dtype))
         used.update(names)
-    unused = set(state) - used - ({"lm_head.weight"} if hf.tie_word_embeddings else set())
+    unused = set(ckpt.where) - used - ({"lm_head.weight"} if hf.tie_word_embeddings else set())
     if where.ep_group.size() == 1 and unused:  # with EP > 1 other ranks use the remaining experts
         raise KeyError(f"HF tensors not loaded: {sorted(unused)[:8]}")
 

@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from qurl_mcore.config import load_config
+from qurl_mcore.config import load_config, to_dict
 from qurl_mcore.loop.batch import Sample, collate
 from qurl_mcore.loop.trainer import PolicyTrainer
 from qurl_mcore.megatron import token_logprobs
@@ -199,3 +199,87 @@ def test_push_streams_one_bucket_at_a_time():
         trainer.close()
     assert engine.version == "v1" and len(engine.alive_at_arrival) >= 3
     assert engine.alive_at_arrival == [0] * len(engine.alive_at_arrival)
+
+
+def test_export_of_a_trained_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path):
+    """Train a step in the UAQ parameterisation, checkpoint, `qurl export` it (UAQ undone): transformers
+    computes the trained model's logits to fp32 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from qurl_mcore.cli import main
+    from qurl_mcore.loop.checkpoint import finalize
+
+    trainer = _trainer("uaq.enabled=true", "precision=int8", "train.micro_batch_size=8")
+    try:
+        batch = _batch(trainer, behav_from_model=False)
+        trainer.step(batch)
+        ids = batch.input_ids[:2, :8]
+        with torch.no_grad():
+            trained = trainer.model(ids, torch.arange(8).expand_as(ids), None)
+        files = [trainer.save_checkpoint(str(tmp_path / "ckpt"), 1)]
+        finalize(tmp_path / "ckpt", 1, files, {"world_size": 1, "config": to_dict(trainer.cfg)})
+    finally:
+        trainer.close()
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = exported(ids).logits
+    assert (logits - trained).abs().max() <= 1e-4 * trained.abs().max()
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    # UAQ computes the same function either way: the weights tell whether it was undone (norm gains x1.5)
+    from qurl_mcore.megatron.convert import read_hf_state
+
+    name = "model.layers.0.input_layernorm.weight"
+    source = read_hf_state(trainer.hf_dir)[name].float()
+    assert (exported.state_dict()[name] - source).abs().max() < 0.01  # one Adam step of lr 1e-3 from the source
+
+
+def _recording(trainer: PolicyTrainer, replace_prox=None) -> list:
+    """Wrap the trainer's loss forward to record the π_prox each micro-batch trains against (optionally
+    replacing it); returns the record list."""
+    seen, original = [], trainer._loss_forward
+
+    def loss_forward(model_chunk, micro):
+        mb, prox, ref = micro
+        if replace_prox is not None:
+            prox = replace_prox(mb)
+        seen.append(prox)
+        return original(model_chunk, (mb, prox, ref))
+
+    trainer._loss_forward = loss_forward
+    return seen
+
+
+def test_one_mini_batch_trains_against_its_own_forward_bitwise():
+    """mini_batches=1 (the default) reads π_prox off the training forward; giving it the separate no-grad
+    pass instead changes nothing, bit for bit: the one-step path is the decoupled one with one part."""
+    results = []
+    for precomputed in (False, True):
+        trainer = _trainer("train.micro_batch_size=8")
+        try:
+            batch = _batch(trainer, behav_from_model=False)
+            prox = trainer._forward_only(trainer.model, batch)
+            seen = _recording(trainer, (lambda mb: prox) if precomputed else None)
+            trainer.step(batch)
+            results.append(_params(trainer))
+            assert (seen[0] is None) != precomputed
+        finally:
+            trainer.close()
+    assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
+
+
+def test_two_mini_batches_train_against_the_pre_update_policy():
+    trainer = _trainer("train.mini_batches=2", "train.micro_batch_size=3")
+    try:
+        batch = _batch(trainer, behav_from_model=False)
+        before = trainer._forward_only(trainer.model, batch)
+        seen = _recording(trainer)
+        metrics = trainer.step(batch)
+        after = trainer._forward_only(trainer.model, batch)
+    finally:
+        trainer.close()
+    assert len(seen) == 2 and torch.equal(torch.cat(seen), before)  # both parts: π before the first update
+    assert not torch.equal(after[3:], before[3:])  # although the first update moved the second part's π
+    assert metrics["train/skipped_nonfinite"] == 0.0
+    steps = {int(s["step"]) for _, s in trainer.stack.optimizer.state.items()}
+    assert steps == {2}  # two optimizer steps

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from transformers import AutoConfig
 
 from qurl_mcore.megatron.convert import (
     export_hf_weights, features, load_hf_weights, merge, name_table, read_hf_state, shard, split, unshard,
@@ -98,14 +99,44 @@ def test_layouts_invert_and_shard_whole_query_groups():
         assert torch.equal(unshard(layout, [shard(layout, t, r, 2) for r in range(2)]), t)
 
 
-def test_loading_refuses_a_checkpoint_that_does_not_fit(megatron_ws1):
+def _copy_with(path, tmp_path, state):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(path, tmp_path, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(state, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+def test_loading_refuses_a_checkpoint_that_does_not_fit(megatron_ws1, tmp_path):
     path = tiny_checkpoint("qwen3")
     model = build_gpt(path)
     state = read_hf_state(path)
     del state["model.layers.1.self_attn.k_norm.weight"]
     with pytest.raises(KeyError, match="k_norm"):
-        load_hf_weights(model, path, state)
+        load_hf_weights(model, _copy_with(path, tmp_path / "a", state))
     state = read_hf_state(path)
     state["model.layers.0.mlp.extra.weight"] = torch.zeros(1)
     with pytest.raises(KeyError, match="not loaded"):
-        load_hf_weights(model, path, state)
+        load_hf_weights(model, _copy_with(path, tmp_path / "b", state))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_a_rank_reads_only_its_slices_and_gets_its_shard(arch):
+    """Reading a rank's rows/columns/query groups from the file equals cutting its shard from the whole."""
+    from qurl_mcore.megatron.convert import _Checkpoint, _read_local
+
+    path = tiny_checkpoint(arch)
+    hf = AutoConfig.from_pretrained(path)
+    ckpt, state = _Checkpoint(path), read_hf_state(path)
+    checked = set()
+    for rule in name_table(hf):
+        names = [t.format(layer=1, expert=3) for t in rule.hf]
+        full = merge(rule.layout, [state[n] for n in names], hf)
+        for size in (1, 2):
+            for rank in range(size):
+                assert torch.equal(_read_local(ckpt, rule.layout, names, hf, rank, size),
+                                   shard(rule.layout, full, rank, size)), (rule.megatron, rank, size)
+        checked.add(rule.layout)
+    assert checked >= {"replicated", "rows", "columns", "qkv", "gate_up"}

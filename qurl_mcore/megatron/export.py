@@ -1,0 +1,118 @@
+"""A trained model out of the project: an HF checkpoint directory (safetensors, config, tokenizer) that
+transformers and SGLang load as they load the model it was trained from.
+
+`write_hf_checkpoint` is collective over the model's ranks (it gathers shards with `export_hf_weights`) and
+streams: rank 0 writes each bucket to a file of its own as soon as it is gathered, then the index. The UAQ
+rescaling the trainer trains in is undone on the way out (s⁻¹ per tensor, `qurl_mcore.uaq`), so the exported
+weights compute the function of the model as trained, in its usual parameterisation.
+
+`export_checkpoint` does the same from a run's checkpoint directory, on the CPU, in as many processes as the
+run had trainer ranks (each loads its own file).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+#: files of the source checkpoint that describe the model rather than hold its weights
+_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def write_hf_checkpoint(model, source_dir: str | Path, out_dir: str | Path, *, uaq_scale: float | None = None,
+                        dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 2 << 30) -> Path | None:
+    """Write `model` (this rank's shards; every rank calls this) as an HF checkpoint in `out_dir`, with the
+    config and tokenizer of `source_dir`, the checkpoint it was loaded from. `uaq_scale`: the s the model is
+    UAQ-scaled by, undone on export. Returns `out_dir` on rank 0, None on the others."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from .convert import export_hf_weights
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    out = Path(out_dir)
+    partial = out.with_name(out.name + ".partial")
+    if rank0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    unscale = None if uaq_scale is None else 1.0 / uaq_scale
+    for k, bucket in enumerate(export_hf_weights(model, source_dir, bucket_bytes=bucket_bytes, dtype=dtype,
+                                                 uaq_scale=unscale)):
+        if rank0:
+            name = f"model-{k + 1:05d}.safetensors"
+            save_file({n: t.contiguous().cpu() for n, t in bucket}, str(partial / name), metadata={"format": "pt"})
+            weight_map.update({n: name for n, _ in bucket})
+    if not rank0:
+        return None
+    index = {"metadata": {"total_size": sum((partial / f).stat().st_size for f in set(weight_map.values()))},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    for name in _MODEL_FILES:
+        if (Path(source_dir) / name).is_file():
+            shutil.copy(Path(source_dir) / name, partial / name)
+    config = json.loads((partial / "config.json").read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)  # whole or absent, like the checkpoints
+    return out
+
+
+def _export_rank(rank: int, checkpoint_dir: str, out_dir: str, dtype: str) -> str | None:
+    """One trainer rank of the run that wrote `checkpoint_dir`, rebuilt on the CPU to export it."""
+    from qurl_mcore.config import load_config
+    from qurl_mcore.loop.checkpoint import rank_file, read_file, read_meta
+    from qurl_mcore.models import resolve_model_path
+
+    from .models import build_gpt
+    from .parallel import destroy_parallel, init_parallel
+
+    meta = read_meta(checkpoint_dir)
+    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in _flatten(meta["config"]).items()])
+    init_parallel(cfg.train.tp_size, cfg.train.ep_size, rank=rank, world_size=meta["world_size"])
+    try:
+        source = resolve_model_path(cfg.model.path)
+        model = build_gpt(source)  # the stock linears: the parameters are the same whatever the precision
+        state = read_file(checkpoint_dir, rank_file(rank))["model"]
+        model.load_state_dict({k: v for k, v in state.items() if not k.endswith("._extra_state")})
+        out = write_hf_checkpoint(model, source, out_dir, uaq_scale=cfg.uaq.scale if cfg.uaq.enabled else None,
+                                  dtype=getattr(torch, dtype))
+        return None if out is None else str(out)
+    finally:
+        destroy_parallel()
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Export a run's checkpoint (a `step_N` directory, or a checkpoint.dir whose newest valid one is taken)
+    as an HF checkpoint in `out_dir`."""
+    from qurl_mcore.loop.checkpoint import latest_valid, read_meta, verify
+
+    from .parallel import spawn
+
+    path = Path(checkpoint_dir)
+    if not (path / "meta.json").is_file():
+        found, damaged = latest_valid(path)
+        if found is None:
+            raise FileNotFoundError(f"{checkpoint_dir}: no valid checkpoint there"
+                                    + (f" ({damaged[0][0].name}: {damaged[0][1]})" if damaged else ""))
+        path = found
+    problem = verify(path)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
+    results = spawn(_export_rank, read_meta(path)["world_size"], str(path), str(out_dir), dtype)
+    return Path(results[0])

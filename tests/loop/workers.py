@@ -1,0 +1,49 @@
+"""Per-rank bodies of the trainer's multi-process tests (module-level, so that `spawn` imports them)."""
+from __future__ import annotations
+
+import torch
+
+from qurl_mcore.config import load_config
+from qurl_mcore.loop.batch import Sample, collate
+from qurl_mcore.loop.trainer import PolicyTrainer
+
+
+def batch(seed: int = 0, rows: int = 8):
+    """Prompts and responses of varied lengths with fixed advantages (PPO ignores the behaviour log-probs)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(rows):
+        p, r = 3 + i % 3, 2 + (i * 5) % 4
+        ids = torch.randint(3, 1000, (p + r,), generator=g).tolist()
+        samples.append(Sample(ids[:p], ids[p:], [-1.0] * r, group=i // 2))
+    return collate(samples, torch.linspace(-1.0, 1.0, rows), pad_id=0)
+
+
+def _hf(trainer: PolicyTrainer, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`values` (one tensor per parameter of this rank, e.g. its gradients) gathered into HF-named full
+    tensors, through the same export the weight push uses."""
+    from qurl_mcore.megatron import export_hf_weights
+
+    params = dict(trainer.model.named_parameters())
+    saved = {n: p.data for n, p in params.items()}
+    try:
+        for n, p in params.items():
+            p.data = values[n]
+        return {n: t.clone() for b in export_hf_weights(trainer.model, trainer.hf, bucket_bytes=1 << 30) for n, t in b}
+    finally:
+        for n, p in params.items():
+            p.data = saved[n]
+
+
+def train_step(rank: int, world_size: int, overrides: list[str]) -> dict:
+    """One step on `batch()`; the metrics, and the gradient and updated weights in HF names (rank 0)."""
+    cfg = load_config(None, ["train.lr=1e-3", "uaq.enabled=false", "precision=bf16", "train.loss=ppo",
+                             "train.grad_clip=0", "train.micro_batch_size=2", *overrides])
+    trainer = PolicyTrainer(cfg, rank=rank, world_size=world_size)
+    try:
+        metrics = trainer.step(batch())
+        grads = _hf(trainer, {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()})
+        weights = _hf(trainer, {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        return {"metrics": metrics, "grads": grads, "weights": weights} if rank == 0 else {"metrics": metrics}
+    finally:
+        trainer.close()
