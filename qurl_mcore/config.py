@@ -62,6 +62,7 @@ class TrainConfig:
     tp_size: int = 1
     ep_size: int = 1
     dp_size: int = 1
+    pp_size: int = 1  # pipeline stages (Megatron's schedules); the layers must divide evenly
     threads: int = 0  # torch CPU threads per trainer rank; 0 leaves torch's default
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -78,6 +79,11 @@ class TrainConfig:
     advantage: Literal["grpo", "rloo"] = "grpo"
     scale_by_std: bool = True
     dynamic_sampling: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks: TP x DP x PP (experts are sharded within TP x DP)."""
+        return self.tp_size * self.dp_size * self.pp_size
 
 
 @dataclass
@@ -152,7 +158,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{name: _POSITIVE for name in (
         "data.prompts_per_step", "data.num_prompts", "data.max_operand", "rollout.samples_per_prompt",
         "rollout.max_new_tokens", "rollout.engines", "rollout.tp_size", "rollout.context_length",
-        "rollout.push_bucket_mb", "train.tp_size", "train.ep_size", "train.dp_size", "train.micro_batch_size",
+        "rollout.push_bucket_mb", "train.tp_size", "train.ep_size", "train.dp_size", "train.pp_size",
+        "train.micro_batch_size",
         "train.lr", "train.mini_batches", "checkpoint.every", "checkpoint.keep", "steps", "uaq.scale")},
     **{name: _NON_NEGATIVE for name in (
         "rollout.temperature", "rollout.max_total_tokens", "rollout.restart_attempts", "train.threads",

@@ -67,10 +67,9 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
     if t.advantage in ("grpo", "rloo") and r.samples_per_prompt < 2:
         out.problems.append(f"rollout.samples_per_prompt: {t.advantage} compares samples of one prompt; "
                             "use at least 2")
-    world = t.tp_size * t.dp_size
-    if world % t.ep_size:
-        out.problems.append(f"train.ep_size: {t.ep_size} must divide the trainer's world size tp_size x dp_size "
-                            f"= {world}")
+    if (t.tp_size * t.dp_size) % t.ep_size:
+        out.problems.append(f"train.ep_size: {t.ep_size} must divide tp_size x dp_size = {t.tp_size * t.dp_size} "
+                            "(experts are sharded within a pipeline stage)")
     if t.entropy_coef and t.tp_size > 1:
         out.problems.append("train.entropy_coef: the entropy bonus needs the full vocabulary on a rank; "
                             "use train.tp_size=1")
@@ -130,6 +129,8 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
         if heads % tp or groups % tp:
             out.problems.append(f"{name}: {tp} must divide the model's {heads} attention heads and {groups} "
                                 f"key-value heads")
+    if hf["num_hidden_layers"] % t.pp_size:
+        out.problems.append(f"train.pp_size: {t.pp_size} must divide the model's {hf['num_hidden_layers']} layers")
     experts = num_experts(hf)
     if t.ep_size > 1 and not experts:
         out.problems.append(f"train.ep_size: {t.ep_size} needs an MoE model; this one is dense, use 1")
@@ -153,9 +154,10 @@ def _placement(cfg: Config, use_gpu: bool, out: Preflight, local: bool) -> None:
         if problem:
             out.problems.append(problem)
     t = cfg.train
-    world = t.tp_size * t.dp_size
+    world = t.world_size
     devices = sum(b.get(placement.device, 0) for b in placement.bundles)
-    out.summary.append(f"  layout      {cfg.layout}: trainer TP {t.tp_size} x DP {t.dp_size} (EP {t.ep_size}) = "
+    out.summary.append(f"  layout      {cfg.layout}: trainer TP {t.tp_size} x DP {t.dp_size} x PP {t.pp_size} "
+                       f"(EP {t.ep_size}) = "
                        f"{world} rank(s); {cfg.rollout.engines} engine(s) of TP {cfg.rollout.tp_size}; "
                        f"{len(placement.bundles)} bundle(s), {devices:g} {placement.device}(s) in all")
 

@@ -40,7 +40,7 @@ class Placement:
 def plan(cfg: Config, use_gpu: bool, tags: set[str] = frozenset()) -> Placement:
     """The placement of `cfg` on a cluster with (`use_gpu`) or without GPUs; `tags` are the node resources
     present (`qurl_train`, `qurl_rollout`)."""
-    world = cfg.train.tp_size * cfg.train.dp_size
+    world = cfg.train.world_size
     device = "GPU" if use_gpu else "CPU"
 
     def bundle(devices: int, tag: str) -> dict[str, float]:
@@ -76,7 +76,7 @@ def unplaceable(placement: Placement, present: dict[str, float], where: str) -> 
         return None
     what = ", ".join(f"{need:g} {k} (has {have:g})" for k, (need, have) in short.items())
     return (f"placement: {len(placement.bundles)} bundle(s) need {what} on {where}; lower train.dp_size / "
-            "train.tp_size / rollout.engines, or run on a larger cluster")
+            "train.tp_size / train.pp_size / rollout.engines, or run on a larger cluster")
 
 
 def _options(placement: Placement, pg, index: int, devices: float, threads: int) -> dict[str, Any]:

@@ -312,7 +312,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     warnings_to_file(logs / "driver.log")
     precision, scope, _ = cfg.resolved_precision()
     say(f"{cfg.steps} steps of {cfg.model.path}, precision {precision.name} (scope {scope}), {cfg.layout}, "
-        f"{cfg.train.tp_size * cfg.train.dp_size} trainer rank(s), {cfg.rollout.engines} engine(s); logs in {logs}")
+        f"{cfg.train.world_size} trainer rank(s), {cfg.rollout.engines} engine(s); logs in {logs}")
     owns_ray = not ray.is_initialized()
     if owns_ray:
         # "local": never attach to a cluster some earlier `ray start` left behind on this machine

@@ -64,7 +64,8 @@ class PolicyTrainer:
             torch.set_num_threads(t.threads)
         if master_port is not None:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        init_parallel(t.tp_size, t.ep_size, seed=cfg.seed, rank=rank, world_size=world_size)
+        init_parallel(t.tp_size, t.ep_size, pipeline_parallel=t.pp_size, seed=cfg.seed, rank=rank,
+                      world_size=world_size)
         from megatron.core import parallel_state as ps
 
         self.ps = ps
@@ -232,7 +233,13 @@ class PolicyTrainer:
             dist.all_reduce(sums, group=group)
             dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
         total = float(sums[-1]) or 1.0
-        return {k: float(highest[i]) if k.endswith("/max") else float(sums[i]) / total for i, k in enumerate(keys)}
+        metrics = {k: float(highest[i]) if k.endswith("/max") else float(sums[i]) / total for i, k in enumerate(keys)}
+        pp = self.ps.get_pipeline_model_parallel_group()
+        if pp.size() > 1:  # only the last stage computed losses: every rank reports (and skips) alike
+            box = [metrics]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(pp, pp.size() - 1), group=pp, device=self.device)
+            metrics = box[0]
+        return metrics
 
     # -- update capture (QuRL §4.3) ---------------------------------------------------------------------------
     def _capture_before(self):

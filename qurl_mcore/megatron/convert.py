@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from qurl_mcore.transfer import buckets
+from qurl_mcore.transfer import buckets, dtype_name
 from qurl_mcore.uaq import uaq_scale_hf
 
 from .models import load_hf_config
@@ -44,6 +44,7 @@ class Rule:
     hf: tuple[str, ...]
     layout: str
     needs: str = ""  # the feature (see `features`) this rule exists under; "" = always
+    exported: bool = True  # False: a copy of a tensor another rule exports
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -73,19 +74,21 @@ NAME_TABLE: tuple[Rule, ...] = (
     Rule(_E + "linear_fc2.weight", (_HE + "down_proj.weight",), "columns", needs="moe"),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
     Rule("output_layer.weight", ("lm_head.weight",), "rows", needs="untied"),
+    # tied embeddings under pipeline parallelism: the last stage keeps a copy of the embedding as its output
+    # layer (Megatron all-reduces the two gradients)
+    Rule("output_layer.weight", ("model.embed_tokens.weight",), "rows", needs="tied", exported=False),
 )
 
 
 def features(hf_config) -> set[str]:
-    """The table features an HF config has: qkv_bias, qk_norm, dense or moe, untied."""
+    """The table features an HF config has: qkv_bias, qk_norm, dense or moe, tied or untied."""
     hf = load_hf_config(hf_config)
     out = {"moe" if hf.model_type == "qwen3_moe" else "dense"}
     if hf.model_type == "qwen2" or getattr(hf, "attention_bias", False):
         out.add("qkv_bias")
     if hf.model_type in ("qwen3", "qwen3_moe"):
         out.add("qk_norm")
-    if not hf.tie_word_embeddings:
-        out.add("untied")
+    out.add("tied" if hf.tie_word_embeddings else "untied")
     return out
 
 
@@ -163,18 +166,23 @@ class _Placement:
     tp_group: object
     etp_group: object
     ep_group: object
+    pp_group: object
     ep_rank: int
     local_experts: int
+    layer_offset: int  # the HF index of this pipeline stage's first layer
+    local_layers: int
 
 
 def _placement(model) -> _Placement:
     from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     config = model.config
     ep = ps.get_expert_model_parallel_world_size()
     return _Placement(ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
-                      ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_rank(),
-                      (config.num_moe_experts or 0) // ep)
+                      ps.get_expert_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+                      ps.get_expert_model_parallel_rank(), (config.num_moe_experts or 0) // ep,
+                      get_transformer_layer_offset(config), len(model.decoder.layers))
 
 
 def _is_expert(rule: Rule) -> bool:
@@ -206,7 +214,7 @@ def _sources(rules: list[tuple[Rule, re.Pattern]], name: str, where: _Placement)
     if match is None:
         raise KeyError(f"Megatron parameter {name} has no entry in the name table")
     rule, m = match
-    layer = int(m["layer"]) if "layer" in m.groupdict() else None
+    layer = where.layer_offset + int(m["layer"]) if "layer" in m.groupdict() else None
     expert = where.ep_rank * where.local_experts + int(m["expert"]) if _is_expert(rule) else None
     return rule, [_fill(t, layer, expert) for t in rule.hf]
 
@@ -289,7 +297,7 @@ def load_hf_weights(model, hf_dir: str | Path) -> None:
             param.copy_(local.to(param.dtype))
         used.update(names)
     unused = set(ckpt.where) - used - ({"lm_head.weight"} if hf.tie_word_embeddings else set())
-    if where.ep_group.size() == 1 and unused:  # with EP > 1 other ranks use the remaining experts
+    if where.ep_group.size() == where.pp_group.size() == 1 and unused:  # else other ranks use the rest
         raise KeyError(f"HF tensors not loaded: {sorted(unused)[:8]}")
 
 
@@ -303,17 +311,22 @@ def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
-def _iter_hf_tensors(model, hf) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every rule instance; collective: every rank must iterate in step."""
-    where = _placement(model)
+def _iter_stage_tensors(model, hf, where: _Placement) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every rule instance of this pipeline stage (its layers; the embedding on
+    the first stage, the final norm and output layer on the last); collective over the stage's TP/EP ranks."""
     params = dict(model.named_parameters())
-    config = model.config
     for rule in name_table(hf):
-        layers = range(config.num_layers) if "{layer}" in rule.megatron else [None]
+        if not rule.exported:
+            continue
+        layers = range(where.local_layers) if "{layer}" in rule.megatron else [None]
         experts = range(where.local_experts) if _is_expert(rule) else [None]
-        for layer in layers:
+        for local_layer in layers:
+            layer = None if local_layer is None else where.layer_offset + local_layer
             for local in experts:
-                param = params[_fill(rule.megatron, layer, local)].detach()
+                name = _fill(rule.megatron, local_layer, local)
+                if name not in params:  # a stage without the embedding or the output layer
+                    continue
+                param = params[name].detach()
                 if local is None:
                     full = unshard(rule.layout, _all_gather(param, where.tp_group))
                     yield from zip((_fill(t, layer, None) for t in rule.hf), split(rule.layout, full, hf))
@@ -322,6 +335,32 @@ def _iter_hf_tensors(model, hf) -> Iterator[tuple[str, torch.Tensor]]:
                 for ep_rank, owned in enumerate(_all_gather(full, where.ep_group)):
                     expert = ep_rank * where.local_experts + local
                     yield from zip((_fill(t, layer, expert) for t in rule.hf), split(rule.layout, owned, hf))
+
+
+def _iter_hf_tensors(model, hf) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for the whole model on every rank; collective: every rank must iterate in
+    step. With pipeline stages, each stage's tensors go to the others one at a time (a header, then the
+    tensor, broadcast over the pipeline group), so no rank holds more than one at once."""
+    where = _placement(model)
+    pp = where.pp_group
+    if pp.size() == 1:
+        yield from _iter_stage_tensors(model, hf, where)
+        return
+    device = next(model.parameters()).device
+    for stage in range(pp.size()):
+        src = dist.get_global_rank(pp, stage)
+        mine = _iter_stage_tensors(model, hf, where) if pp.rank() == stage else None
+        while True:
+            item = next(mine, None) if mine is not None else None
+            header = [None if item is None else (item[0], list(item[1].shape), dtype_name(item[1].dtype))]
+            dist.broadcast_object_list(header, src=src, group=pp, device=device)
+            if header[0] is None:
+                break
+            name, shape, dtype = header[0]
+            tensor = item[1].contiguous() if item is not None else torch.empty(shape, dtype=getattr(torch, dtype),
+                                                                               device=device)
+            dist.broadcast(tensor, src=src, group=pp)
+            yield name, tensor
 
 
 def export_hf_weights(

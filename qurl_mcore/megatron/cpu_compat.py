@@ -74,7 +74,8 @@ class _NoopStream:
 
 def _streams() -> None:
     """No-op CUDA streams for the alltoall token dispatcher, which copies split sizes to the host on a side
-    stream and synchronizes on its events; on CPU there is nothing to overlap. The dispatcher's shared side
+    stream and synchronizes on its events, and a no-op torch.cuda.synchronize for the pipeline's p2p
+    communication; on CPU there is nothing to overlap or wait for. The dispatcher's shared side
     stream is preset (torch.cuda.Stream itself stays a class: other libraries use it in annotations)."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -82,6 +83,7 @@ def _streams() -> None:
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
     torch.cuda.current_stream = lambda *args, **kwargs: stream
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # pipeline p2p waits for its sends this way
 
 
 def _split_sizes_as_numpy() -> None:

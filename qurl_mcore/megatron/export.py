@@ -74,7 +74,8 @@ def _export_rank(rank: int, checkpoint_dir: str, out_dir: str, dtype: str) -> st
 
     meta = read_meta(checkpoint_dir)
     cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in _flatten(meta["config"]).items()])
-    init_parallel(cfg.train.tp_size, cfg.train.ep_size, rank=rank, world_size=meta["world_size"])
+    init_parallel(cfg.train.tp_size, cfg.train.ep_size, pipeline_parallel=cfg.train.pp_size, rank=rank,
+                  world_size=meta["world_size"])
     try:
         source = resolve_model_path(cfg.model.path)
         model = build_gpt(source)  # the stock linears: the parameters are the same whatever the precision

@@ -70,6 +70,9 @@ def gpt_config(hf_config, **overrides: Any):
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        variable_seq_lengths=ps.get_pipeline_model_parallel_world_size() > 1,  # batches vary in shape
+        moe_token_dispatcher_type="alltoall",  # the one that allows variable sequence lengths
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         sequence_parallel=tp > 1,
@@ -88,7 +91,6 @@ def gpt_config(hf_config, **overrides: Any):
             moe_router_pre_softmax=not hf.norm_topk_prob,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
         )
     kw.update(overrides)
@@ -126,9 +128,12 @@ def build_gpt(
     overrides = {"params_dtype": dtype, "pipeline_dtype": dtype, "bf16": dtype == torch.bfloat16,
                  "use_cpu_initialization": not torch.cuda.is_available(), **RECOMPUTE[recompute], **overrides}
     config = gpt_config(hf, **overrides)
+    from megatron.core import parallel_state as ps
+
     return GPTModel(
         config=config,
         transformer_layer_spec=gpt_spec(config, precision=precision, scope=scope, fmt=fmt),
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),

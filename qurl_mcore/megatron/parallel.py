@@ -21,6 +21,7 @@ def init_parallel(
     tensor_parallel: int = 1,
     expert_parallel: int = 1,
     expert_tensor_parallel: int | None = None,
+    pipeline_parallel: int = 1,
     *,
     seed: int = 1234,
     rank: int | None = None,
@@ -29,8 +30,8 @@ def init_parallel(
     """Start torch.distributed (if needed) and Megatron's model-parallel groups, and seed Megatron's RNGs.
 
     Rank and world size come from the arguments or the usual RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
-    environment; a lone process without them gets world size 1 on a free local port. Pipeline parallelism is
-    1. `expert_tensor_parallel` defaults to 1 when experts are sharded (EP > 1), else to `tensor_parallel`.
+    environment; a lone process without them gets world size 1 on a free local port. `expert_tensor_parallel`
+    defaults to 1 when experts are sharded (EP > 1), else to `tensor_parallel`.
     """
     apply_cpu_compat()
     from megatron.core import parallel_state, tensor_parallel as mtp
@@ -52,6 +53,7 @@ def init_parallel(
         tensor_model_parallel_size=tensor_parallel,
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=expert_tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
     )
     mtp.model_parallel_cuda_manual_seed(seed)
 

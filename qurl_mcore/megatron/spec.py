@@ -17,7 +17,9 @@ import re
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl, TransformerBlockSubmodules, get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from qurl_mcore.precision import get_precision, quantizes, resolve, train_spec
@@ -114,4 +116,4 @@ def gpt_spec(config: TransformerConfig, precision: str = "bf16", scope: str = "a
                     s.linear_qkv, s.linear_proj = column, row
                 else:
                     s.linear_fc1, s.linear_fc2 = column, row
-    return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=final_norm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=final_norm)

@@ -168,6 +168,10 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(dense_run, tmp_
 def test_a_killed_trainer_ends_the_run_with_one_message_naming_it(tmp_path):
     process = _start(tmp_path, "model.path=tiny-llama", "steps=4")
     _wait_for_step(tmp_path, process, 1)
+    deadline = time.monotonic() + 120
+    while latest_checkpoint(tmp_path / "ckpt") is None:  # step 1's checkpoint follows its metrics
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.5)
     pids = json.loads((tmp_path / "logs" / "pids.json").read_text())
     os.kill(pids["trainers"][0], signal.SIGKILL)
     assert process.wait(timeout=300) == 1  # EXIT_FAILED

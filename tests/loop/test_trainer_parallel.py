@@ -1,4 +1,4 @@
-"""The trainer at world size 2 over gloo (DP=2, TP=2, EP=2), on Megatron's own DDP, optimizer and schedule,
+"""The trainer at world size 2 over gloo (DP=2, TP=2, EP=2, PP=2), on Megatron's own DDP, optimizer and schedule,
 each against the same step at world size 1: the same loss, gradient and update to fp32 rounding."""
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ CASES = {
     "tp2-dense": ("tiny-llama", ["train.tp_size=2"]),
     "dp2-moe": ("tiny-qwen3_moe", ["train.dp_size=2"]),
     "ep2-moe": ("tiny-qwen3_moe", ["train.dp_size=2", "train.ep_size=2"]),
+    "pp2-dense": ("tiny-llama", ["train.pp_size=2"]),
+    "pp2-moe": ("tiny-qwen3_moe", ["train.pp_size=2"]),
 }
 
 
