@@ -5,6 +5,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def test_tools_come_from_the_projects_environment():
     """A fresh machine has no shellcheck or ray on its PATH: the ones the tests call must be those that
@@ -26,3 +28,21 @@ def test_megatron_adapter_does_not_import_the_rollout_client():
                 if isinstance(node, ast.ImportFrom) and node.module:
                     assert not node.module.startswith(f"qurl_mcore.{other}"), f"{path.name} imports {node.module}"
                     assert not (node.level == 2 and node.module.startswith(other)), f"{path.name}: {node.module}"
+
+
+@pytest.mark.slow
+def test_the_gpu_requirement_set_resolves(tmp_path):
+    """requirements/gpu.txt is one set pip can install: resolved against the registry without installing."""
+    import json
+    import subprocess
+
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                           "--report", str(report), "-r", str(Path(__file__).parents[1] / "requirements/gpu.txt")],
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
+           for item in json.loads(report.read_text())["install"]}
+    want = {"torch": "2.14.1", "sglang": "0.5.23", "sglang-kernel": "0.4.10", "transformers": "5.19.0",
+            "megatron-core": "0.16.1", "transformer-engine": "2.11.0", "ray": "2.60.0"}
+    assert {k: got.get(k) for k in want} == want

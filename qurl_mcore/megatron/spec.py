@@ -7,7 +7,8 @@ quantizes. The slots of each group:
   experts         mlp.experts.local_experts.{e}.linear_fc1/fc2      (MoE)
   shared_experts  mlp.shared_experts.linear_fc1/fc2                 (MoE with shared experts)
 Routers, norms, embeddings and the output layer are never quantized (GPTModel builds the last two itself).
-A precision that trains in full precision (bf16, and QuRL's int8/fp8) keeps every stock linear.
+A precision that trains in full precision (bf16, and QuRL's int8/fp8) keeps every stock linear. On CUDA the
+core attention is torch's fused SDPA (attention.py) instead of Megatron's unfused local one.
 """
 from __future__ import annotations
 
@@ -95,6 +96,10 @@ def gpt_spec(config: TransformerConfig, precision: str = "bf16", scope: str = "a
     )
     sub = layer.submodules
     attention = sub.self_attention.submodules
+    if torch.cuda.is_available():  # the fused kernel, O(s) memory (attention.py); the CPU keeps Megatron's
+        from .attention import SDPAttention
+
+        attention.core_attention = SDPAttention
     final_norm = LayerNormImpl  # what TransformerBlock uses for its final norm when given a layer spec
     if config.sequence_parallel:
         final_norm = sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelNorm

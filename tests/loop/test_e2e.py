@@ -92,7 +92,8 @@ def test_dense_loop_logs_every_metric_checkpoints_and_reports(dense_run):
     assert plotted <= set(records[0]), plotted - set(records[0])  # the report plots metrics the loop logs
     assert list((dense_run / "logs" / "tensorboard").iterdir())
     names = sorted(p.name for p in (dense_run / "ckpt").iterdir())
-    assert names == ["step_00000002", "step_00000003"]  # keep=2
+    assert names == ["hf", "step_00000002", "step_00000003"]  # keep=2, and the final model for transformers
+    assert (dense_run / "ckpt" / "hf" / "model.safetensors.index.json").is_file()
 
 
 @pytest.mark.slow

@@ -164,3 +164,25 @@ def test_fp8_training_uses_transformer_engine_on_gpu(megatron_ws1):
     ids = random_ids(2, 32).cuda()
     logits = model(ids, torch.arange(32, device="cuda").expand_as(ids), None)
     assert torch.isfinite(logits).all()
+
+
+def test_sdpa_attention_equals_megatrons_local_attention(megatron_ws1):
+    """The GPU's core attention (torch SDPA) computes Megatron's local attention, run here on the CPU with
+    grouped-query heads and a padding mask."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from qurl_mcore.megatron.attention import SDPAttention
+    from qurl_mcore.megatron.logprobs import attention_mask_for, segments
+
+    config = gpt_config(tiny_checkpoint("qwen3"))  # 4 heads in 2 groups of head dim 32
+    s, b = 12, 3
+    q = torch.randn(s, b, 4, 32)
+    k, v = torch.randn(s, b, 2, 32), torch.randn(s, b, 2, 32)
+    lengths = torch.tensor([12, 7, 3])
+    mask = attention_mask_for(segments(torch.arange(s)[None] < lengths[:, None], None, (b, s)))
+    args = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    want = DotProductAttention(**args)(q, k, v, mask)
+    got = SDPAttention(**args)(q, k, v, mask)
+    for row, n in enumerate(lengths.tolist()):  # padded query positions attend to nothing: compare real ones
+        torch.testing.assert_close(got[:n, row], want[:n, row], rtol=1e-5, atol=1e-5)
