@@ -347,12 +347,16 @@ class PolicyTrainer:
     # -- checkpoints --------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """This rank's model shards and optimizer state."""
-        return {"model": self.model.state_dict(), "optimizer": self.stack.optimizer.state_dict(),
+        from qurl_mcore.megatron.training import optimizer_state
+
+        return {"model": self.model.state_dict(), "optimizer": optimizer_state(self.stack),
                 "config": asdict(self.cfg.train)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
-        self.stack.optimizer.load_state_dict(state["optimizer"])
+        from qurl_mcore.megatron.training import load_optimizer_state
+
+        load_optimizer_state(self.stack, state["optimizer"])
 
     def save_checkpoint(self, root: str, step: int) -> dict[str, Any]:
         """Write this rank's state into step `step`'s partial checkpoint (here, not through the driver);

@@ -118,5 +118,22 @@ def step(stack: TrainingStack, clip_grad: float, skip: bool = False) -> tuple[fl
     return grad_norm, False
 
 
+def optimizer_state(stack: TrainingStack) -> dict:
+    """This rank's optimizer state, for its own checkpoint file: the state dict, and with the distributed
+    optimizer also this rank's shard of the main weights and moments (which its state dict leaves out)."""
+    subs = list(_optimizers(stack.optimizer))
+    return {"state": stack.optimizer.state_dict(),
+            "shards": [sub.get_parameter_state_dp_reshardable() if hasattr(sub, "get_parameter_state_dp_reshardable")
+                       else None for sub in subs]}
+
+
+def load_optimizer_state(stack: TrainingStack, state: dict) -> None:
+    """Inverse of `optimizer_state`, on a stack of the same parallel layout."""
+    stack.optimizer.load_state_dict(state["state"])
+    for sub, shard in zip(_optimizers(stack.optimizer), state["shards"]):
+        if shard is not None:
+            sub.load_parameter_state_from_dp_reshardable(shard)
+
+
 def _optimizers(optimizer) -> Iterable:
     return getattr(optimizer, "chained_optimizers", [optimizer])
