@@ -60,8 +60,8 @@ def time_steps(tree: str, steps: int) -> list[float]:
     return out
 
 
-def peak_rss(rank: int, tree: str) -> float:
-    """Peak resident memory (GiB) of a DP=2 rank through one step."""
+def peak_rss(tree: str, rank: int) -> float:
+    """Peak resident memory (GiB) of DP=2 rank `rank` through one step (RANK/WORLD_SIZE/MASTER_* set)."""
     import resource
 
     trainer = _trainer(tree, rank, 2, "train.dp_size=2")
@@ -70,15 +70,34 @@ def peak_rss(rank: int, tree: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _run(tree: str, what: str, arg: int) -> object:
-    code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import trainer_step as b; "
-            + (f"print(json.dumps(b.time_steps({tree!r}, {arg})))" if what == "time" else
-               f"from qurl_mcore.megatron.parallel import spawn; print(json.dumps(spawn(b.peak_rss, 2, {tree!r})))"))
-    env = {**os.environ, "PYTHONPATH": tree}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
-    if out.returncode:
-        raise RuntimeError(f"{tree}: {out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _start(tree: str, call: str, env: dict | None = None) -> subprocess.Popen:
+    """`call` in a fresh interpreter that imports qurl_mcore from `tree`: the editable install's import hook
+    (which would pick this checkout whatever sys.path says) is taken out first."""
+    code = ("import json, sys; "
+            "sys.meta_path[:] = [f for f in sys.meta_path if not type(f).__module__.startswith('__editable__')]; "
+            f"sys.path[:0] = [{tree!r}, {str(ROOT / 'benchmarks')!r}]; import trainer_step as b; "
+            f"print(json.dumps({call}))")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _result(process: subprocess.Popen, tree: str) -> object:
+    out, err = process.communicate(timeout=1800)
+    if process.returncode:
+        raise RuntimeError(f"{tree}: {err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _times(tree: str, steps: int) -> list[float]:
+    return _result(_start(tree, f"b.time_steps({tree!r}, {steps})"), tree)
+
+
+def _rss(tree: str) -> list[float]:
+    from qurl_mcore.transfer import free_port
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    ranks = [_start(tree, f"b.peak_rss({tree!r}, {rank})", {**env, "RANK": str(rank)}) for rank in range(2)]
+    return [_result(p, tree) for p in ranks]
 
 
 def main() -> None:
@@ -93,8 +112,8 @@ def main() -> None:
             times = {"old": [], "new": []}
             for _ in range(args.repeats):
                 for name, tree in (("old", old), ("new", str(ROOT))):
-                    times[name] += _run(tree, "time", 2)
-            rss = {name: _run(tree, "rss", 0) for name, tree in (("old", old), ("new", str(ROOT)))}
+                    times[name] += _times(tree, 2)
+            rss = {name: _rss(tree) for name, tree in (("old", old), ("new", str(ROOT)))}
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", old], check=False)
     t_old, t_new = statistics.median(times["old"]), statistics.median(times["new"])

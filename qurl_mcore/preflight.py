@@ -83,6 +83,12 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
     if not use_gpu and cfg.train.dtype == "bf16":
         out.problems.append("train.dtype: bf16 training uses Megatron's mixed-precision optimizer, which needs CUDA "
                             "tensors; on CPUs use fp32 or auto")
+    from .sglang.kernels import KERNEL_FORMATS
+
+    precision, _, fmt = cfg.resolved_precision()
+    if use_gpu and r.dtype == "float32" and fmt in KERNEL_FORMATS:
+        out.problems.append(f"rollout.dtype: float32 engines cannot run SGLang's W8A8 {fmt} kernels (they write "
+                            "bf16/fp16 outputs); use rollout.dtype=bfloat16")
     if r.max_new_tokens >= r.context_length:
         out.problems.append(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for the prompt in "
                             f"rollout.context_length {r.context_length}; lower it or raise the context")

@@ -79,3 +79,9 @@ def test_bad_cli_arguments_end_with_one_line(capsys):
     assert exit_.value.code == 2 and "expected a positive integer, got 0" in capsys.readouterr().err
     assert main(["align", "--model", "/nonexistent"]) == 2
     assert "qurl align: --model /nonexistent: no config.json there" in capsys.readouterr().out
+
+
+def test_a_float32_engine_cannot_run_the_w8a8_kernels(tmp_path):
+    text = _problems(tmp_path, "precision=int8", "rollout.dtype=float32", use_gpu=True)
+    assert "rollout.dtype: float32 engines cannot run SGLang's W8A8 int8 kernels" in text
+    assert "rollout.dtype" not in _problems(tmp_path, "precision=int8", "rollout.dtype=float32", use_gpu=False)

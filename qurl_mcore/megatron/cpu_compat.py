@@ -19,7 +19,6 @@ import functools
 import logging
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 _APPLIED: list[str] = []
 
@@ -124,30 +123,45 @@ def _causal_masks() -> None:
         module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
 
 
-class _CudaDevicesOnCpu(TorchFunctionMode):
-    """device="cuda" (or cuda:N) in any torch call means the CPU; Tensor.cuda() and .to("cuda") are no-ops."""
+class _TorchOnCpu:
+    """The `torch` a megatron module sees: the real one, except that its factory functions put what they
+    allocate with device="cuda" (or cuda:N) on the CPU."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _is_cuda(kwargs.get("device")):
-            kwargs = {**kwargs, "device": "cpu"}
-        name = getattr(func, "__name__", "")
-        if name == "cuda" and args:
-            return args[0]
-        if name == "to" and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "zeros_like", "ones_like", "empty_like", "full_like",
+                  "arange")
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name: str):
+        value = getattr(self._real, name)
+        if name not in self._FACTORIES:
+            return value
+
+        def on_cpu(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return value(*args, **kwargs)
+
+        return on_cpu
 
 
-def _is_cuda(device) -> bool:
-    return isinstance(device, (str, torch.device)) and str(device).startswith("cuda")
+#: the megatron modules of the training stack that allocate with a literal device="cuda"
+_CUDA_ALLOCATING = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer.clip_grads",
+                    "megatron.core.optimizer.optimizer", "megatron.core.distributed.param_and_grad_buffer",
+                    "megatron.core.transformer.moe.moe_utils", "megatron.core.utils")
 
 
 def _cuda_devices() -> None:
-    """Megatron's DDP buffers, optimizers, grad clipping and schedules allocate with a literal device="cuda"
-    (about 30 places); on a machine without CUDA that device is the CPU. A torch function mode, entered for
-    the rest of the process (which has no CUDA device to mean instead)."""
-    _CudaDevicesOnCpu().__enter__()
+    """Megatron's schedules (token counts), grad norm and clipping, the fp32 optimizer and the DDP buffers
+    allocate with a literal device="cuda" in about a dozen places; on a machine without CUDA that device is
+    the CPU. Each of those modules reads a `torch` whose factory functions say so (`_TorchOnCpu`); the model's
+    own operations are untouched (no per-operation cost)."""
+    import importlib
+
+    for name in _CUDA_ALLOCATING:
+        module = importlib.import_module(name)
+        module.torch = _TorchOnCpu(torch)
 
 
 def _clip_grads() -> None:

@@ -14,13 +14,18 @@ def test_every_fix_applies_once():
 
 
 def test_cuda_devices_mean_the_cpu_and_clipping_needs_no_cuda_tensors():
-    """What Megatron's DDP buffers, optimizers and schedules ask for (device="cuda", .cuda()) lands on the CPU,
-    and gradient clipping scales by max_norm / (total_norm + 1e-6) as Megatron's does."""
+    """What the training stack's modules allocate with device="cuda" lands on the CPU, while torch itself is
+    untouched elsewhere; gradient clipping scales by max_norm / (total_norm + 1e-6) as Megatron's does."""
     apply_cpu_compat()
     import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.utils as mutils
 
-    assert torch.zeros(2, device="cuda").device.type == "cpu"
-    assert torch.ones(1).cuda().device.type == "cpu" and torch.ones(1).to("cuda:0").device.type == "cpu"
+    assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+    norm, _ = mutils.local_multi_tensor_l2_norm(0, None, [[torch.full((4,), 2.0)]], False)
+    assert norm.device.type == "cpu" and norm.item() == 4.0
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1, device="cuda")  # anywhere else, CUDA still means CUDA
     p = torch.nn.Parameter(torch.ones(4))
     p.grad = torch.full((4,), 3.0)  # norm 6
     clip_grads.clip_grad_by_total_norm_fp32([p], 1.0, 6.0)
