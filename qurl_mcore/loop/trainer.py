@@ -45,9 +45,9 @@ def _units(mask: torch.Tensor, agg: str) -> int:
 
 
 class PolicyTrainer:
-    """One rank of the actor: a Megatron GPTModel (the trainer side of the configured precision, UAQ-scaled
-    when on), a frozen reference copy when a KL term is on, AdamW, and the clients of the engines this rank
-    pushes weights to."""
+    """One rank of the actor: a Megatron GPTModel on the rank's device (the trainer side of the configured
+    precision, UAQ-scaled when on) inside Megatron's DDP and optimizer (megatron/training.py), a frozen
+    reference copy when a KL term is on, and the clients of the engines this rank pushes weights to."""
 
     def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
                  master_port: int | None = None, log_file: str | None = None):
