@@ -77,20 +77,25 @@ def decode(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 code (ties to the even code, i.e. even mantissa) for |x| <= 6; bit 3 is the sign."""
+    """Nearest E2M1 code (ties to the even code, i.e. even mantissa) for |x| <= 6; bit 3 is the sign.
+
+    code = #{midpoints below |x|}, plus one at a midpoint whose lower neighbour has an odd code. Elementwise
+    comparisons with Python constants only: no tensor is created and nothing waits for the host, so the
+    function compiles into one fused kernel and can be captured in a CUDA graph."""
     mag = x.abs()
-    mids = torch.tensor(_E2M1_MIDPOINTS, dtype=mag.dtype, device=mag.device)
-    code = torch.bucketize(mag, mids)  # at a midpoint this picks the lower neighbour
-    at_mid = mag == mids[code.clamp(max=len(_E2M1_MIDPOINTS) - 1)]
-    code = code + (at_mid & (code % 2 == 1)).to(code.dtype)  # an odd lower code loses the tie
+    below = sum((mag > m).to(torch.uint8) for m in _E2M1_MIDPOINTS)
+    at_mid = sum((mag == m).to(torch.uint8) for m in _E2M1_MIDPOINTS)
+    code = below + (at_mid & (below & 1))  # an odd lower code loses the tie
     sign = (x < 0).to(torch.uint8) << 3
-    return code.to(torch.uint8) | sign
+    return code | sign
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8, low nibble) -> fp32 values."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
-    mag = grid[(codes & 0x7).long()]
+    """E2M1 codes (uint8, low nibble) -> fp32 values: exponent e = bits 1-2, mantissa m = bit 0,
+    |v| = m / 2 for e = 0 (subnormal) and 2^(e-1) (1 + m / 2) otherwise (graph-safe like `e2m1_encode`)."""
+    e = ((codes >> 1) & 0x3).to(torch.float32)
+    m = (codes & 0x1).to(torch.float32)
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2(e - 1.0) * (1.0 + 0.5 * m))
     return torch.where((codes & 0x8) != 0, -mag, mag)
 
 

@@ -32,9 +32,13 @@ def _kernel_for(a: QTensor, b: QTensor) -> str | None:
     return None
 
 
+#: torch._int_mm on CUDA needs more than 16 rows: decode shapes (a few tokens) are padded with zero rows
+_INT_MM_MIN_ROWS = 17
+
+
 def _cuda_shape_ok(kernel: str, m: int, n: int, k: int) -> bool:
-    if kernel == "int8":  # cuBLASLt int8 constraints as enforced by torch._int_mm
-        return m > 16 and k % 8 == 0 and n % 8 == 0
+    if kernel == "int8":  # cuBLASLt int8 constraints as enforced by torch._int_mm (rows: padded, below)
+        return k % 8 == 0 and n % 8 == 0
     return k % 16 == 0 and n % 16 == 0
 
 
@@ -74,7 +78,10 @@ def quantized_matmul(a: QTensor, b: QTensor, *, backend: str = "auto", out_dtype
     (m, _), n = a.shape, b.shape[0]
     scale_a, scale_b = _row_scales(a, m), _row_scales(b, n).t()
     if kernel == "int8":
-        acc = torch._int_mm(_codes_2d(a), _codes_2d(b).t())
+        codes = _codes_2d(a)
+        if m < _INT_MM_MIN_ROWS:  # zero rows add nothing to the rows kept; the kernel instead of a dequantize
+            codes = torch.nn.functional.pad(codes, (0, 0, 0, _INT_MM_MIN_ROWS - m))
+        acc = torch._int_mm(codes, _codes_2d(b).t())[:m]
         return (acc.to(torch.float32) * scale_a * scale_b).to(out_dtype)
     return torch._scaled_mm(
         _codes_2d(a), _codes_2d(b).t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype

@@ -105,8 +105,17 @@ class QTensor:
         return grouping.ungroup(values).to(dtype or self.dtype)
 
 
+def _in_graph(x: torch.Tensor) -> bool:
+    """Whether this call is being compiled (torch.compile) or captured (a CUDA graph): then nothing may wait
+    for the host, and a non-finite input propagates as NaN instead of raising."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
-    """Raise a ValueError if x holds NaN or inf: quantizing those would silently poison every scale."""
+    """Raise a ValueError if x holds NaN or inf: quantizing those would silently poison every scale. (Skipped
+    inside a compiled or captured graph, where reading the answer back would stall it.)"""
+    if _in_graph(x):
+        return
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(

@@ -28,6 +28,16 @@ def test_kernel_equals_emulated(fmt, backend, grans):
                                quantized_matmul(a, b, backend="emulated"), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_int8_kernel_serves_decode_shapes_exactly(m):
+    """A few tokens (decode) run the int8 kernel too, padded with zero rows, and equal the exact product."""
+    a, b = _operands("int8", m=m)
+    out = quantized_matmul(a, b, backend="int8")
+    exact = (a.codes().long() @ b.codes().long().t()).double() * a.scale.double() * b.scale.double().t()
+    assert out.shape == (m, 48)
+    torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-6)
+
+
 def test_auto_is_emulated_on_cpu_and_kernels_refuse_what_they_cannot_run():
     a, b = _operands("int8")
     assert select_backend(a, b) == "emulated"
@@ -47,5 +57,7 @@ def test_cuda_auto_picks_the_kernel_and_matches_emulation(fmt, kernel):
         pytest.skip("FP8 GEMM needs compute capability 8.9 or newer")
     a, b = _operands(fmt, m=64, n=128, k=256, device="cuda")
     assert select_backend(a, b) == kernel
+    small, _ = _operands(fmt, m=1, n=128, k=256, device="cuda")
+    assert select_backend(small, b) == kernel  # decode shapes take the kernel too
     torch.testing.assert_close(quantized_matmul(a, b), quantized_matmul(a, b, backend="emulated"),
                                rtol=1e-3, atol=1e-2)
