@@ -189,6 +189,38 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .config import ConfigError, load_config
+    from .sizing import format_plan, model_config, plan
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        hf, source = model_config(cfg.model.path)
+        result = plan(cfg, hf, args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, master=args.master,
+                      link=args.link, source=source)
+    except (ConfigError, ValueError, OSError) as err:
+        print(f"qurl plan: {' '.join(str(err).split())}")
+        return 2
+    print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
+    return 0
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="bytes per GPU, weight push and decode ceiling of a config, and whether it fits")
+    p.add_argument("--config", required=True, help="the run's YAML file (launch/configs/*.yaml)")
+    p.add_argument("--gpu", default="h100-80g", help="h100-80g (default), h200-141g or b200-180g")
+    p.add_argument("--gpus-per-node", type=_positive, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=_positive, help="nodes you have; a layout that needs more is a problem")
+    p.add_argument("--master", default="host", help="where engines keep full-precision masters: host (the "
+                                                     "plugin's default) or device")
+    p.add_argument("--link", help="the weight push's link: nvlink, infiniband or pcie (default: by layout)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.recompute=full")
+    p.set_defaults(func=_plan)
+
+
 def _add_align(sub) -> None:
     from .align import PROMPTS
     from .precision import ALIGNMENT_ROWS, FP4_FORMATS, PRECISIONS, SCOPES
@@ -235,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     pat.set_defaults(func=_patch)
     _add_launch(sub)
     _add_align(sub)
+    _add_plan(sub)
     exp = sub.add_parser("export", help="a run's checkpoint as an HF checkpoint (transformers, SGLang load it)")
     exp.add_argument("checkpoint", help="a checkpoint step directory, or a checkpoint.dir (its newest valid one)")
     exp.add_argument("out", help="the HF checkpoint directory to write")

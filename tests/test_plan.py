@@ -1,0 +1,228 @@
+"""`qurl plan` (qurl_mcore/sizing.py) against the world: parameter counts of real HF models, the bytes of a real
+trainer's tensors after a step, the bytes and buckets a real weight push streams, real quantized tensors, the
+shipped GPU configs, and the command line. Activations are not measured here: the CPU trainer runs Megatron's
+local attention in fp32, not the GPU path (bf16, SDPA) the activation formula describes."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from qurl_mcore.config import load_config
+from qurl_mcore.models.cards import CARDS, card
+from qurl_mcore.precision import linear_groups
+from qurl_mcore.sizing import (
+    WEIGHT_FORMATS,
+    Shape,
+    activation_bytes,
+    check_fits,
+    hf_tensors,
+    model_config,
+    parameter_count,
+    plan,
+    push_bytes,
+    trainer_bytes,
+)
+
+CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"
+
+
+def _hf_numel(path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    return sum(p.numel() for p in model.parameters())  # a tied embedding is one Parameter
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3_moe", "smollm2"])
+def test_parameter_count_equals_the_hf_model(model):
+    hf, source = model_config(model)
+    s = Shape.of(hf)
+    assert parameter_count(s) == _hf_numel(Path(source).parent)
+    # the linears a scope can quantize are the planner's linear weights (precision.py's list, not a copy)
+    linears = {t.name for t in hf_tensors(s) if t.kind in ("attention", "mlp", "experts", "shared_experts")}
+    assert linears == {n + ".weight" for n in linear_groups(hf)}
+    assert all(t.kind == linear_groups(hf)[t.name.removesuffix(".weight")] for t in hf_tensors(s) if t.name in linears)
+
+
+#: the parameter totals on the models' Hugging Face pages (rounded as the pages print them)
+PUBLISHED_B = {"Qwen2.5-0.5B": 0.494, "DeepSeek-R1-Distill-Qwen-1.5B": 1.78, "Qwen2.5-7B": 7.62,
+               "Qwen2.5-Math-7B": 7.62, "Qwen2.5-32B": 32.8, "Qwen3-8B": 8.19, "Qwen3-30B-A3B": 30.5,
+               "Qwen3-235B-A22B": 235.0, "Llama-3.1-8B": 8.03, "Llama-3.1-70B": 70.6}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_B))
+def test_cards_count_the_published_parameters(name):
+    count = parameter_count(Shape.of(card(name)))
+    assert count / 1e9 == pytest.approx(PUBLISHED_B[name], rel=0.002)
+
+
+def test_cards_by_path_and_instruct_suffix():
+    assert card("/models/Qwen2.5-32B-Instruct") == CARDS["Qwen2.5-32B"]
+    with pytest.raises(KeyError, match="no architecture card for 'Mystery-9B'"):
+        card("Mystery-9B")
+    assert card("DeepSeek-V3-shape")["shape_only"]
+
+
+# ---- the trainer and the push, measured on a real SmolLM2 trainer (fp32 on CPU) ----------------------------
+
+BUCKET_MB = 16
+
+
+@pytest.fixture(scope="module")
+def smollm2_trainer():
+    """One PolicyTrainer step on SmolLM2-135M, then its tensors and its weight export."""
+    from qurl_mcore.loop.batch import Sample, collate
+    from qurl_mcore.loop.trainer import PolicyTrainer
+    from qurl_mcore.megatron import export_hf_weights
+
+    cfg = load_config(None, ["model.path=smollm2", "precision=bf16", "uaq.enabled=false", "train.micro_batch_size=4",
+                             f"rollout.push_bucket_mb={BUCKET_MB}"])
+    trainer = PolicyTrainer(cfg)
+    try:
+        g = torch.Generator().manual_seed(0)
+        samples = [Sample(ids[:4], ids[4:], [0.0] * 4, group=i // 2)
+                   for i, ids in enumerate(torch.randint(3, 1000, (4, 8), generator=g).tolist())]
+        batch = collate(samples, torch.tensor([1.0, -1.0, 1.0, -1.0]), pad_id=0)
+        with torch.no_grad():
+            own = trainer._forward_only(trainer.model, batch)
+        batch.behav_logprobs = torch.where(batch.response_mask, own, 0.0)
+        trainer.step(batch)
+        storages: dict[int, int] = {}  # distinct storages: param.grad is a view of DDP's main_grad buffer
+
+        def add(t):
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+        params = list(trainer.model.parameters())
+        for p in params:
+            add(p)
+            add(p.grad)
+            add(getattr(p, "main_grad", None))
+        for _, state in trainer.stack.optimizer.state.items():  # Megatron's ProxyDict has no values()
+            for value in state.values():
+                if torch.is_tensor(value):
+                    add(value)
+        exported = [[(n, t.numel() * t.element_size()) for n, t in bucket] for bucket in
+                    export_hf_weights(trainer.model, trainer.hf, bucket_bytes=BUCKET_MB << 20, dtype=torch.bfloat16)]
+        yield cfg, sum(p.numel() for p in params), sum(storages.values()), exported
+    finally:
+        trainer.close()
+
+
+def test_trainer_bytes_match_a_real_step(smollm2_trainer):
+    cfg, numel, measured, _ = smollm2_trainer
+    s = Shape.of(model_config("smollm2")[0])
+    planned = trainer_bytes(s, cfg, cuda=False)
+    assert planned["parameters"] == numel
+    # fp32: params 4 + gradients 4 (the DDP buffer) + Adam 8 bytes per parameter, no main params
+    assert planned["static"] == 16 * numel
+    assert planned["static"] == pytest.approx(measured, rel=0.10)
+
+
+def test_push_bytes_and_buckets_match_the_export(smollm2_trainer):
+    cfg, _, _, exported = smollm2_trainer
+    s = Shape.of(model_config("smollm2")[0])
+    push = push_bytes(s, cfg)
+    assert push["bytes"] == sum(n for bucket in exported for _, n in bucket)
+    assert push["buckets"] == len(exported) > 1
+    assert [(t.name, 2 * t.numel) for t in hf_tensors(s)] == [x for bucket in exported for x in bucket]
+
+
+# ---- hand-derived values -------------------------------------------------------------------------------
+
+def test_trainer_states_by_hand():
+    """Tiny Llama (h 128, i 256, 2 layers, 4 heads of 32, 2 KV heads, V 49152, untied) at TP 2 x DP 2, bf16."""
+    hf, _ = model_config("tiny-llama")
+    cfg = load_config(None, ["model.path=tiny-llama", "train.tp_size=2", "train.dp_size=2", "precision=bf16",
+                             "uaq.enabled=false"])
+    per_layer = (128 * 128 + 2 * 64 * 128 + 128 * 128 + 3 * 128 * 256) // 2 + 2 * 128  # linears /TP, norms whole
+    n = 2 * per_layer + 2 * 49152 * 128 // 2 + 128
+    t = trainer_bytes(Shape.of(hf), cfg, cuda=True)
+    assert t["parameters"] == n
+    assert (t["params"], t["gradients"]) == (2 * n, 4 * n)
+    assert (t["main_params"]["distributed"], t["optimizer"]["distributed"]) == (4 * n // 2, 8 * n // 2)
+    assert t["static"] == 2 * n + 4 * n + 12 * n // 2
+
+
+def test_full_recompute_by_hand():
+    """Full recompute keeps e·h·s·b/TP per layer, one layer's whole set, and the logits s·b·V/TP·(e + 8)."""
+    hf, _ = model_config("tiny-llama")
+    cfg = load_config(None, ["model.path=tiny-llama", "precision=bf16", "uaq.enabled=false",
+                             "rollout.context_length=64", "train.micro_batch_size=2"])
+    s, e, tokens = Shape.of(hf), 2, 64 * 2
+    attention = e * 128 + e * 128 + e * (4 + 4) * 32 + e * 128
+    core = e * 64 + 2 * e * (4 - 2) * 32 + 4 * 4
+    mlp = e * 128 + e * 128 + 3 * e * 256 + e * 256
+    logits = tokens * 49152 * (e + 8)
+    assert activation_bytes(s, cfg, "full") == [2 * tokens * e * 128 + tokens * (attention + core + mlp) + logits]
+    assert activation_bytes(s, cfg, "selective") == [2 * tokens * (attention + mlp) + logits]
+    assert activation_bytes(s, cfg, "none") == [2 * tokens * (attention + core + mlp) + logits]
+
+
+@pytest.mark.parametrize("method,fmt", [("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"),
+                                        ("qurl_fp4", "mxfp4")])
+@pytest.mark.parametrize("shape", [(96, 64), (48, 72)])
+def test_weight_format_bytes_equal_real_quantized_weights(method, fmt, shape):
+    from qurl_mcore.precision import rollout_spec
+    from qurl_mcore.quant import quantize_weight
+
+    q = quantize_weight(torch.randn(shape), rollout_spec(method, fmt))
+    real = sum(t.numel() * t.element_size() for t in (q.data, q.scale, q.global_scale) if t is not None)
+    assert WEIGHT_FORMATS[fmt].nbytes(*shape) == real
+
+
+def test_check_fits_names_the_lever():
+    hf, _ = model_config("/models/Qwen2.5-Math-7B")
+    cfg = load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", ["train.recompute=none", "train.micro_batch_size=4"])
+    problems = check_fits(cfg, hf, "h100-80g")
+    assert problems and "train.recompute=full" in problems[0] and "train.micro_batch_size=1" in problems[0]
+
+
+# ---- the shipped GPU configs fit their stated hardware ------------------------------------------------------
+
+_HARDWARE = re.compile(r"(\d+) nodes? x (\d+) (H100|H200|B200)")
+_GPU = {"H100": "h100-80g", "H200": "h200-141g", "B200": "b200-180g"}
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in CONFIGS.glob("*.yaml") if p.name != "cpu_demo.yaml"))
+def test_shipped_gpu_configs_fit(path):
+    text = (CONFIGS / path).read_text()
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    nodes, per_node, gpu = _HARDWARE.search(header).groups()
+    cfg = load_config(CONFIGS / path)
+    hf, source = model_config(cfg.model.path)
+    result = plan(cfg, hf, _GPU[gpu], gpus_per_node=int(per_node), nodes=int(nodes), source=source)
+    assert result.problems == []
+    assert result.hardware["nodes_needed"] == int(nodes)
+    assert all(v["fits"] for v in result.verdict)
+
+
+# ---- the command line -----------------------------------------------------------------------------------
+
+def test_cli_json(capsys):
+    from qurl_mcore.cli import main
+
+    assert main(["plan", "--config", str(CONFIGS / "grpo_qwen3_30b_a3b_fp4_rc.yaml"), "--gpu", "h200-141g",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"model", "hardware", "trainer", "engines", "push", "rollout", "verdict", "problems"}
+    assert out["model"]["parameters"] == 30_532_122_624
+    assert out["push"]["bytes"] == 2 * 30_532_122_624
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpu", "a100"], "unknown GPU 'a100'; use one of"),
+    (["--link", "carrier-pigeon"], "unknown link 'carrier-pigeon'"),
+    (["train.nope=1"], "train.nope: unknown field"),
+])
+def test_cli_bad_input_exits_2_with_one_line(capsys, args, message):
+    from qurl_mcore.cli import main
+
+    assert main(["plan", "--config", str(CONFIGS / "grpo_qwen3_30b_a3b_fp4_rc.yaml"), *args]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and message in out
+
