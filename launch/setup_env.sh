@@ -46,7 +46,7 @@ pip_install --no-deps -r "$ROOT/requirements/sglang-nodeps.txt"
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 printf '%s\nimport tv_cpu_shim\n' "$ROOT/patches/cpu/site" > "$site/qurl_cpu_shims.pth"
 if (( want_test )); then pip_install -r "$ROOT/requirements/test.txt"; fi
-pip_install --no-deps -e "$ROOT"
+PYTHONWARNINGS=ignore pip_install --no-deps -e "$ROOT"  # setuptools warns about editable installs in general
 # -W ignore: megatron-core and SGLang warn on import about optional GPU packages (TE, Apex, kernels) a CPU
 # environment does not have; the setup summary is the [setup] lines.
 "$VENV/bin/python" -W ignore - <<'PY'

@@ -52,7 +52,12 @@ def _train(args: argparse.Namespace) -> int:
         return EXIT_BAD_CONFIG
     where = args.config or "the default config"
     if args.check:
-        checked = preflight(cfg, local=not (args.address or os.environ.get("RAY_ADDRESS")))
+        try:
+            checked = preflight(cfg, local=not (args.address or os.environ.get("RAY_ADDRESS")) and not args.gpu,
+                                gpu=args.gpu)
+        except ValueError as err:  # an unknown --gpu
+            print(f"qurl train --check: {err}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
         if not checked.ok:
             print(f"qurl train --check: {where}: {checked.report()}", file=sys.stderr)
             return EXIT_BAD_CONFIG
@@ -257,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
     tr.add_argument("--check", action="store_true",
                     help="check the config as a whole, print the resolved run and exit (0: ready, 2: problems)")
+    tr.add_argument("--gpu", help="with --check: plan the run's memory on this GPU (e.g. h100-80g; default: "
+                                  "this machine's)")
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-6 precision=fp8")
     tr.set_defaults(func=_train)
     pat = sub.add_parser("patch", help="pinned source patch sets for installed packages (docs/patches.md)")

@@ -128,6 +128,20 @@ def _model_config(cfg: Config, out: Preflight) -> tuple[str, dict[str, Any]] | N
     return str(path), hf
 
 
+def _model_card(cfg: Config, out: Preflight) -> tuple[str, dict[str, Any]] | None:
+    """When the check plans for a named GPU (a cluster) and model.path is not on this machine: the shape from
+    the architecture card of its basename, the missing path becoming a note instead of a problem."""
+    from .sizing import model_config
+
+    try:
+        hf, source = model_config(cfg.model.path)
+    except ValueError:
+        return None
+    out.problems = [p for p in out.problems if not p.startswith("model.path:")]
+    out.summary.append(f"  note        {cfg.model.path} is not on this machine: planned from the {source}")
+    return cfg.model.path, hf
+
+
 def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
     t, r = cfg.train, cfg.rollout
     heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
@@ -142,6 +156,21 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
         out.problems.append(f"train.ep_size: {t.ep_size} needs an MoE model; this one is dense, use 1")
     elif experts and experts % t.ep_size:
         out.problems.append(f"train.ep_size: {t.ep_size} must divide the model's {experts} experts")
+
+
+def _memory_plan(cfg: Config, hf: dict[str, Any], out: Preflight, gpu: str | None) -> None:
+    """On GPUs: the run's bytes per GPU (`qurl plan`, sizing.py) on `gpu` (default: this machine's kind of
+    GPU); a plan that does not fit is refused, each problem naming its lever."""
+    from .sizing import check_fits, local_gpu
+
+    gpu = gpu or local_gpu()
+    if gpu is None:
+        out.summary.append("  memory      not planned: no GPU of the planner's table here (qurl plan --gpu ...)")
+        return
+    problems = check_fits(cfg, hf, gpu)
+    out.problems += [f"memory ({gpu}): {p}" for p in problems]
+    if not problems:
+        out.summary.append(f"  memory      fits on {gpu} (qurl plan --config ... --gpu {gpu} for the bytes)")
 
 
 def _placement(cfg: Config, use_gpu: bool, out: Preflight, local: bool) -> None:
@@ -168,11 +197,14 @@ def _placement(cfg: Config, use_gpu: bool, out: Preflight, local: bool) -> None:
                        f"{len(placement.bundles)} bundle(s), {devices:g} {placement.device}(s) in all")
 
 
-def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False) -> Preflight:
+def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu: str | None = None) -> Preflight:
     """Check `cfg` as a whole (the fields themselves were checked by `load_config`). `use_gpu`: whether the
-    run targets GPUs (default: whether this machine has one); `local`: the run starts its own Ray cluster on
-    this machine, so the placement must fit this machine's CPUs and GPUs."""
+    run targets GPUs (default: whether this machine has one, or a `gpu` is named); `local`: the run starts its
+    own Ray cluster on this machine, so the placement must fit this machine's CPUs and GPUs; `gpu`: the kind
+    of GPU to plan the memory for (a key of `sizing.GPUS`; default: this machine's)."""
     out = Preflight()
+    if use_gpu is None and gpu is not None:
+        use_gpu = True
     if use_gpu is None:
         import torch
 
@@ -180,6 +212,8 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False) -> 
     precision, scope, fmt = cfg.resolved_precision()
     _field_rules(cfg, out, use_gpu)
     model = _model_config(cfg, out)
+    if model is None and gpu is not None:  # planning for a cluster from here: its checkpoints may not be here
+        model = _model_card(cfg, out)
     r = cfg.rollout
     out.summary.append(f"  precision   {precision.name} ({precision.kind}): {precision.summary}")
     default = " (the precision's default)" if cfg.scope == "auto" else ""
@@ -189,6 +223,8 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False) -> 
         kind = f"MoE, {num_experts(hf)} experts" if num_experts(hf) else "dense"
         out.summary.insert(0, f"  model       {path} ({hf['model_type']}, {hf['num_hidden_layers']} layers, {kind})")
         _parallel_checks(cfg, hf, out)
+        if use_gpu:
+            _memory_plan(cfg, hf, out, gpu)
         train = quantized_linears(hf, precision.name, scope, side="train")
         roll = quantized_linears(hf, precision.name, scope, side="rollout")
         mode = f"mode {precision.train}" if precision.trains_quantized else "full precision"

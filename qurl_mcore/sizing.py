@@ -93,6 +93,17 @@ def get_gpu(name: str) -> GPU:
         raise ValueError(f"unknown GPU {name!r}; use one of {list(GPUS)}") from None
 
 
+def local_gpu() -> str | None:
+    """The `GPUS` key of this machine's first CUDA device, by its name (None: no GPU, or one not in the
+    table)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0).lower()
+    return next((key for key in GPUS if key.split("-")[0] in name), None)
+
+
 def link_gb_s(link: str, gpu: GPU) -> float:
     if link == "nvlink":
         return gpu.nvlink_gb_s

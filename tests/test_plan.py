@@ -226,3 +226,26 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, args, message):
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and message in out
 
+
+
+def test_preflight_plans_memory_only_where_it_knows_the_gpu(tmp_path):
+    """`qurl train --check` on a GPU machine runs the planner for that GPU; without one it says so."""
+    from qurl_mcore.config import load_config
+    from qurl_mcore.preflight import preflight
+    from qurl_mcore.sizing import local_gpu
+
+    cfg = load_config(None, ["model.path=tiny-llama", f"checkpoint.dir={tmp_path}/c", f"logging.dir={tmp_path}/l",
+                             "rollout.max_total_tokens=65536"])
+    text = preflight(cfg, use_gpu=True).report()
+    assert ("not planned: no GPU of the planner's table here" in text) == (local_gpu() is None)
+    assert "fits on h100-80g" in preflight(cfg, gpu="h100-80g").report()
+
+
+def test_check_refuses_a_run_that_does_not_fit_its_gpu(capsys):
+    """`qurl train --check --gpu` plans on a login node: Qwen2.5-32B trained by one GPU is refused with a lever."""
+    from qurl_mcore.cli import main
+
+    code = main(["train", "--check", "--gpu", "h100-80g", "model.path=/models/Qwen2.5-32B-Instruct",
+                 "uaq.enabled=false", "precision=bf16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "memory (h100-80g):" in err, err
