@@ -1,7 +1,8 @@
 """Quantization throughput, as ratios measured side by side in one run (lower is cheaper):
 
   quantize+dequantize of a 4096x4096 fp32 tensor, per format and granularity  /  a plain tensor copy
-  RC linear forward+backward (per recipe mode)                               /  a plain fp32 linear
+      eager (the reference) and compiled (torch.compile, fullgraph: the fused path; checked bitwise equal)
+  RC linear forward+backward (per mode)                                      /  a plain fp32 linear
 
 Usage: python benchmarks/quant_throughput.py [--size 4096] [--tokens 1024] [--repeats 5]
 """
@@ -42,11 +43,16 @@ def main() -> None:
     x = torch.randn(args.size, args.size)
     base = median_seconds(lambda: x.clone(), args.repeats)
     print(f"\nquantize+dequantize {args.size}x{args.size} (baseline: copy = {base * 1e3:.1f} ms)")
-    print(f"{'format':<10} {'granularity':<12} {'ms':>8} {'x copy':>8}")
+    print(f"{'format':<10} {'granularity':<12} {'eager ms':>9} {'x copy':>7} {'compiled ms':>12} {'x copy':>7}")
     for fmt, gran in CASES:
         assert fmt in FORMATS
-        t = median_seconds(lambda: quantize(x, fmt, gran).dequantize(), args.repeats)
-        print(f"{fmt:<10} {gran:<12} {t * 1e3:>8.1f} {t / base:>7.1f}x")
+        eager = lambda t, fmt=fmt, gran=gran: quantize(t, fmt, gran).dequantize()  # noqa: E731
+        fused = torch.compile(eager, fullgraph=True)
+        if not torch.equal(fused(x), eager(x)):
+            raise AssertionError(f"{fmt}/{gran}: the compiled path differs from eager")
+        t = median_seconds(lambda: eager(x), args.repeats)
+        c = median_seconds(lambda: fused(x), args.repeats)
+        print(f"{fmt:<10} {gran:<12} {t * 1e3:>9.1f} {t / base:>6.1f}x {c * 1e3:>12.1f} {c / base:>6.1f}x")
 
     a = torch.randn(args.tokens, args.hidden, requires_grad=True)
     w = torch.randn(args.hidden, args.hidden, requires_grad=True)
