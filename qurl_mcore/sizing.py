@@ -336,56 +336,77 @@ def _microbatches(cfg: Config) -> int:
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
 
-def activation_bytes(s: Shape, cfg: Config, recompute: str, e: int = 2) -> list[int]:
-    """Activation bytes of the training step on one rank of each pipeline stage, e bytes per element.
+def layer_activation_bytes(s: Shape, cfg: Config, e: int = 2) -> dict[str, int]:
+    """What one decoder layer keeps for its backward, per token on one rank before /TP, in bytes: the tensors
+    the autograd graph of our Megatron layer (local spec, SDPA core attention, torch norms, no fusions) saves,
+    counted as measured on it (tests/test_plan.py; docs/plan.md). e bytes per element, x = e, or 4 for the
+    inputs of linears the trainer quantizes (its autograd keeps them dequantized, fp32).
+      norm        2e·h + 4        input, its normalised copy (before ·γ) and 1/rms (fp32), each of the two
+      attention   norm + x·h (QKV input) + e·a·d (q after RoPE) + x·a·d (o_proj input, which SDPA also keeps
+                  as its output) [+ e·(3a+3g)·d with q/k norms: their inputs, outputs and the QKV output]
+      core        e·s (SDPA's additive mask, b·s² per micro-batch) + 4a (log-sum-exp)
+                  + 2e·a·d (k, v repeated to a heads) or, without grouping, e·a·d + e·(a+2g)·d (k after
+                  RoPE; v, a view of the QKV output)
+      selective   core recomputed: the checkpoint keeps its inputs instead, k (e·g·d) and v (the QKV output,
+                  e·(a+2g)·d, unless q/k norms keep it already)
+      dense MLP   norm + x·h (fc1 input) + 4e·i (fc1 output [gate; up], silu(gate), up + 0 in Megatron's glu)
+                  + x·i (fc2 input)
+      MoE         norm + e·h (router input) + 5E + 24k (router scores, probabilities, top-k maps)
+                  + k·(x·h + 5e·i_m + 4 + x·i_m) per routed copy: expert fc1 input, fc1 output, silu, up + 0,
+                  the product scaled by its routing probability (and that probability), fc2 input
+                  [+ 4e·i_s + x·i_s, a shared expert]
+    For GPT's layer (MHA, a 4h GeLU MLP, dropout, fused norms) the same accounting gives Korthikanti et al.'s
+    s·b·h·(34 + 5·a·s/h) (Reducing Activation Recomputation in Large Transformer Models, §4); SDPA keeps no
+    a·s² scores and RL training has no dropout."""
+    h, a, g, d, sq = s.hidden, s.heads, s.kv_heads, s.head_dim, cfg.rollout.context_length
+    quantized = {x.kind for x in hf_tensors(s) if x.name in _quantized(s, cfg.precision, cfg.scope, "train")}
+    x = {grp: (4 if grp in quantized else e) for grp in ("attention", "mlp", "experts", "shared_experts")}
+    norm = 2 * e * h + 4
+    qkv_out = e * (a + 2 * g) * d
+    attention = norm + x["attention"] * h + e * a * d + x["attention"] * a * d
+    attention += e * (3 * a + 3 * g) * d if s.qk_norm else 0
+    core = e * sq + 4 * a + (2 * e * a * d if g < a else e * a * d + qkv_out)
+    selective = e * g * d + (0 if s.qk_norm else qkv_out)
+    if s.experts:
+        im, xe = s.moe_intermediate, x["experts"]
+        mlp = norm + e * h + 5 * s.experts + 24 * s.topk + s.topk * (xe * h + 5 * e * im + 4 + xe * im)
+        if s.shared_intermediate:
+            mlp += 4 * e * s.shared_intermediate + x["shared_experts"] * s.shared_intermediate
+    else:
+        mlp = norm + x["mlp"] * h + 4 * e * s.intermediate + x["mlp"] * s.intermediate
+    return {"attention": attention, "core": core, "selective": selective, "mlp": mlp}
 
-    Per layer and token (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-    Models", §4: every tensor the backward keeps), with sequence parallelism all of it /TP:
-      attention   e·h (norm input) + x·h (QKV input) + e·(a+2g)·d (q, k, v) + x·a·d (o_proj input)
-                  [+ e·(a+g)·d, q/k norm inputs]
-      core        e·s (SDPA's additive mask, b·s² per micro-batch) + 2e·(a−g)·d (k, v repeated to a heads)
-                  + 4a (log-sum-exp)   — the part selective recompute drops
-      dense MLP   e·h + x·h (norm, fc1 inputs) + 3e·i (fc1 output [gate; up], silu) + x·i (fc2 input)
-      MoE         e·h + 8E (router logits and probabilities, fp32) + k·(x·h + 3e·i_m + x·i_m + e·h)
-                  (per routed copy: expert fc1 input, fc1 output and silu, fc2 input, output before combine)
-                  [+ 3e·i_s + x·i_s, a shared expert]
-    x = e, or 4 for the inputs of linears the trainer quantizes (its autograd keeps them dequantized, fp32).
-    For GPT's layer (MHA, a 4h GeLU MLP, dropout) this accounting gives Korthikanti's s·b·h·(34 + 5·a·s/h);
-    here SDPA keeps no a·s² scores and RL training has no dropout.
-    Per rank: none: s·b·Σ(all)/TP per layer; selective: without `core`; full: e·h·s·b/TP per layer (the
-    checkpointed inputs) plus one layer recomputed. Times the micro-batches in flight on the stage (1F1B:
-    PP − stage, at most the micro-batches of a step). Plus, on the last stage, the logits s·b·V/TP·(e + 4 + 4)
-    (the model's output, its fp32 copy / temperature, and the contiguous copy vocab_parallel_cross_entropy
-    exponentiates and keeps: megatron/logprobs.py), and for quantized-training precisions the fp32 weights
-    each quantized linear keeps for its backward (all of the stage's, or one layer's under full recompute).
+
+def activation_bytes(s: Shape, cfg: Config, recompute: str, e: int = 2) -> list[int]:
+    """Activation bytes of the training step on one rank of each pipeline stage, e bytes per element, at its
+    peak: the end of the forward, when every layer's saved tensors (`layer_activation_bytes`) and the logits
+    are alive. With sequence parallelism all of it /TP, per layer and micro-batch of b sequences of s:
+      none        b·s·(attention + core + mlp)/TP + 4·e·d·s (RoPE's cos and sin for q and k)
+      selective   the same with `selective` in place of `core`
+      full        e·h·s·b/TP (the checkpointed layer input) plus one layer's whole set, recomputed
+    Times the micro-batches in flight on the stage (1F1B: PP − stage, at most the micro-batches of a step).
+    Plus, on the last stage, the logits s·b·V/TP·(e + 4 + 4) (the model's output, its fp32 copy / temperature,
+    and the contiguous copy vocab_parallel_cross_entropy exponentiates and keeps: megatron/logprobs.py), and
+    for quantized-training precisions the fp32 weights each quantized linear keeps for its backward (all of
+    the stage's, or one layer's under full recompute).
     """
     if recompute not in RECOMPUTE_ORDER:
         raise ValueError(f"train.recompute: {recompute!r} is not one of {list(RECOMPUTE_ORDER)}")
     t = cfg.train
-    h, a, g, d, sq = s.hidden, s.heads, s.kv_heads, s.head_dim, cfg.rollout.context_length
+    sq = cfg.rollout.context_length
     tokens = sq * t.micro_batch_size
-    quantized = {x.kind for x in hf_tensors(s) if x.name in _quantized(s, cfg.precision, cfg.scope, "train")}
-    x = {grp: (4 if grp in quantized else e) for grp in ("attention", "mlp", "experts", "shared_experts")}
-    attention = e * h + x["attention"] * h + e * (a + 2 * g) * d + x["attention"] * a * d
-    attention += e * (a + g) * d if s.qk_norm else 0
-    core = e * sq + 2 * e * (a - g) * d + 4 * a
-    if s.experts:
-        im, xe = s.moe_intermediate, x["experts"]
-        mlp = e * h + 8 * s.experts + s.topk * (xe * h + 3 * e * im + xe * im + e * h)
-        if s.shared_intermediate:
-            mlp += 3 * e * s.shared_intermediate + x["shared_experts"] * s.shared_intermediate
-    else:
-        mlp = e * h + x["mlp"] * h + 3 * e * s.intermediate + x["mlp"] * s.intermediate
-    layer_all = tokens * (attention + core + mlp) // t.tp_size
+    per = layer_activation_bytes(s, cfg, e)
+    rope = 4 * e * s.head_dim * sq
+    layer_all = tokens * (per["attention"] + per["core"] + per["mlp"]) // t.tp_size + rope
     out = []
     for k, st in enumerate(_stages(s, cfg)):
         inflight = min(t.pp_size - k, _microbatches(cfg))
         if recompute == "none":
             layers = st.layers * layer_all
         elif recompute == "selective":
-            layers = st.layers * tokens * (attention + mlp) // t.tp_size
+            layers = st.layers * (tokens * (per["attention"] + per["selective"] + per["mlp"]) // t.tp_size + rope)
         else:
-            layers = st.layers * tokens * e * h // t.tp_size + layer_all
+            layers = st.layers * tokens * e * s.hidden // t.tp_size + layer_all
         weights = 4 * st.trained_quantized // (st.layers if recompute == "full" else 1)
         logits = tokens * math.ceil(s.vocab / t.tp_size) * (e + 8) if k == t.pp_size - 1 else 0
         out.append(inflight * (layers + weights) + logits)

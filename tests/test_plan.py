@@ -20,6 +20,7 @@ from qurl_mcore.sizing import (
     activation_bytes,
     check_fits,
     hf_tensors,
+    layer_activation_bytes,
     model_config,
     parameter_count,
     plan,
@@ -148,19 +149,26 @@ def test_trainer_states_by_hand():
     assert t["static"] == 2 * n + 4 * n + 12 * n // 2
 
 
-def test_full_recompute_by_hand():
-    """Full recompute keeps e·h·s·b/TP per layer, one layer's whole set, and the logits s·b·V/TP·(e + 8)."""
+def test_activations_by_hand():
+    """Tiny Llama (GQA 4/2 heads of 32, no q/k norms) at b 2 x s 64, bf16: each layer's terms written out,
+    RoPE's cos and sin per layer, full recompute's layer inputs plus one layer, the logits s·b·V·(e + 8)."""
     hf, _ = model_config("tiny-llama")
     cfg = load_config(None, ["model.path=tiny-llama", "precision=bf16", "uaq.enabled=false",
                              "rollout.context_length=64", "train.micro_batch_size=2"])
     s, e, tokens = Shape.of(hf), 2, 64 * 2
-    attention = e * 128 + e * 128 + e * (4 + 4) * 32 + e * 128
-    core = e * 64 + 2 * e * (4 - 2) * 32 + 4 * 4
-    mlp = e * 128 + e * 128 + 3 * e * 256 + e * 256
+    norm = e * 128 + e * 128 + 4  # input, normalised copy, 1/rms
+    attention = norm + e * 128 + e * 4 * 32 + e * 4 * 32  # + QKV input, q after RoPE, o_proj input
+    core = e * 64 + 4 * 4 + 2 * e * 4 * 32  # mask row, log-sum-exp, k and v repeated to 4 heads
+    selective = e * 2 * 32 + e * (4 + 2 * 2) * 32  # k, and the QKV output v is a view of
+    mlp = norm + e * 128 + 4 * e * 256 + e * 256  # + fc1 input, [gate; up], silu, up + 0, fc2 input
+    assert layer_activation_bytes(s, cfg, e) == {"attention": attention, "core": core, "selective": selective,
+                                                 "mlp": mlp}
+    rope = 4 * e * 32 * 64
     logits = tokens * 49152 * (e + 8)
-    assert activation_bytes(s, cfg, "full") == [2 * tokens * e * 128 + tokens * (attention + core + mlp) + logits]
-    assert activation_bytes(s, cfg, "selective") == [2 * tokens * (attention + mlp) + logits]
-    assert activation_bytes(s, cfg, "none") == [2 * tokens * (attention + core + mlp) + logits]
+    layer = tokens * (attention + core + mlp) + rope
+    assert activation_bytes(s, cfg, "none") == [2 * layer + logits]
+    assert activation_bytes(s, cfg, "selective") == [2 * (tokens * (attention + selective + mlp) + rope) + logits]
+    assert activation_bytes(s, cfg, "full") == [2 * tokens * e * 128 + layer + logits]
 
 
 @pytest.mark.parametrize("method,fmt", [("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"),
@@ -179,7 +187,8 @@ def test_check_fits_names_the_lever():
     hf, _ = model_config("/models/Qwen2.5-Math-7B")
     cfg = load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", ["train.recompute=none", "train.micro_batch_size=4"])
     problems = check_fits(cfg, hf, "h100-80g")
-    assert problems and "train.recompute=full" in problems[0] and "train.micro_batch_size=1" in problems[0]
+    assert len(problems) == 1 and "GiB short" in problems[0]
+    assert "fixes (each alone): train.recompute=full" in problems[0]
 
 
 # ---- the shipped GPU configs fit their stated hardware ------------------------------------------------------

@@ -7,8 +7,8 @@ Engine. A drop-in for Megatron's local `DotProductAttention` (same constructor a
 Megatron's local attention materialises the [b, heads, s, s] scores in fp32 (at s = 8192 and 28 heads that is
 7.5 GiB per sequence and layer); SDPA's memory-efficient kernel takes the same boolean mask (padding and
 segments, not only causal, which is why this and not TE's causal-typed fused attention) in O(s) memory.
-On the CPU `gpt_spec` keeps Megatron's own attention (bitwise the stock spec); a test checks that both agree
-there.
+On the CPU `gpt_spec` keeps Megatron's own attention by default (bitwise the stock spec); a test checks that
+both agree there.
 """
 from __future__ import annotations
 

@@ -107,13 +107,15 @@ RECOMPUTE: dict[str, dict[str, Any]] = {
 
 def build_gpt(
     hf_config, *, precision: str = "bf16", scope: str = "auto", fmt: str | None = None,
-    dtype: torch.dtype = torch.float32, recompute: str = "none", **overrides: Any
+    dtype: torch.dtype = torch.float32, recompute: str = "none", core_attention: str | None = None,
+    **overrides: Any
 ):
     """A randomly initialised GPTModel shaped like `hf_config` (object or checkpoint dir), its linears
     following the trainer side of `precision` under `scope`/`fmt` (see `gpt_spec`), its parameters `dtype`
     on the current device (the CUDA device when there is one), recomputing activations as `recompute` says
-    (`RECOMPUTE`). Load weights with `convert.load_hf_weights`. FP8 training on Transformer Engine gets
-    Megatron's fp8 settings."""
+    (`RECOMPUTE`), with the core attention `core_attention` (`spec.CORE_ATTENTION`; by default SDPA on CUDA,
+    Megatron's local one on the CPU). Load weights with `convert.load_hf_weights`. FP8 training on Transformer
+    Engine gets Megatron's fp8 settings."""
     from megatron.core.models.gpt import GPTModel
 
     from qurl_mcore.precision import train_spec
@@ -132,7 +134,8 @@ def build_gpt(
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=gpt_spec(config, precision=precision, scope=scope, fmt=fmt),
+        transformer_layer_spec=gpt_spec(config, precision=precision, scope=scope, fmt=fmt,
+                                        core_attention=core_attention),
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,

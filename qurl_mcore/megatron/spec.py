@@ -7,8 +7,10 @@ quantizes. The slots of each group:
   experts         mlp.experts.local_experts.{e}.linear_fc1/fc2      (MoE)
   shared_experts  mlp.shared_experts.linear_fc1/fc2                 (MoE with shared experts)
 Routers, norms, embeddings and the output layer are never quantized (GPTModel builds the last two itself).
-A precision that trains in full precision (bf16, and QuRL's int8/fp8) keeps every stock linear. On CUDA the
-core attention is torch's fused SDPA (attention.py) instead of Megatron's unfused local one.
+A precision that trains in full precision (bf16, and QuRL's int8/fp8) keeps every stock linear.
+
+The core attention is one of `CORE_ATTENTION`: torch's fused SDPA (attention.py; the default on CUDA, and
+what `qurl plan` sizes) or Megatron's unfused local one (the default on the CPU, bitwise the stock spec).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from qurl_mcore.precision import get_precision, quantizes, resolve, train_spec
 
+from .attention import SDPAttention
 from .layers import QuantColumnParallelLinear, QuantRowParallelLinear, SequenceParallelNorm
 
 #: Megatron parameter name -> linear group (the table of the module docstring)
@@ -57,6 +60,14 @@ def quantized_linears(model, hf_config) -> set[str]:
             for hf in hf_names(model, hf_config, f"{name}.weight")}
 
 
+#: core attention name -> its module (None: keep the local spec's DotProductAttention)
+CORE_ATTENTION: dict[str, type | None] = {"local": None, "sdpa": SDPAttention}
+
+
+def default_attention() -> str:
+    return "sdpa" if torch.cuda.is_available() else "local"
+
+
 def te_fp8_available() -> bool:
     """Whether FP8 training runs on Transformer Engine (a CUDA device and TE importable) rather than on the
     `qurl_mcore.quant` emulation."""
@@ -83,11 +94,11 @@ def _check_config(config: TransformerConfig, precision: str, fmt: str | None) ->
 
 
 def gpt_spec(config: TransformerConfig, precision: str = "bf16", scope: str = "auto",
-             fmt: str | None = None) -> TransformerBlockSubmodules:
+             fmt: str | None = None, core_attention: str | None = None) -> TransformerBlockSubmodules:
     """The GPT block spec for `config` with the trainer side of `precision` applied to the linears `scope`
     selects. Pass the result as `GPTModel(transformer_layer_spec=...)`. A full-precision trainer gets
     Megatron's local spec unchanged (apart from the norm under sequence parallelism, which the stock torch
-    norm refuses)."""
+    norm refuses). `core_attention`: a key of `CORE_ATTENTION`, by default `default_attention()`."""
     _, scope, fmt = resolve(precision, scope, fmt)
     _check_config(config, precision, fmt)
     layer = get_gpt_layer_local_spec(
@@ -96,10 +107,11 @@ def gpt_spec(config: TransformerConfig, precision: str = "bf16", scope: str = "a
     )
     sub = layer.submodules
     attention = sub.self_attention.submodules
-    if torch.cuda.is_available():  # the fused kernel, O(s) memory (attention.py); the CPU keeps Megatron's
-        from .attention import SDPAttention
-
-        attention.core_attention = SDPAttention
+    core_attention = core_attention or default_attention()
+    if core_attention not in CORE_ATTENTION:
+        raise ValueError(f"core_attention {core_attention!r} is not one of {list(CORE_ATTENTION)}")
+    if CORE_ATTENTION[core_attention] is not None:
+        attention.core_attention = CORE_ATTENTION[core_attention]
     final_norm = LayerNormImpl  # what TransformerBlock uses for its final norm when given a layer spec
     if config.sequence_parallel:
         final_norm = sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelNorm
