@@ -4,6 +4,7 @@ each, skipped once the time budget no longer fits them:
   trainer-tiny   a tiny Llama step in bf16 with Megatron's DDP and distributed optimizer at world size 1,
                  against the same step on the CPU (fp32, in a process without CUDA): loss, peak memory
   trainer-1b     a ~1.1B-parameter Llama step (bf16, distributed optimizer): time, tokens/s, peak memory
+                 against `qurl plan`'s trainer peak for the same config (sizing.trainer_bytes)
   trainer-moe    a tiny Qwen3-MoE step on the GPU without Transformer Engine
   gpu-tests      the `gpu`-marked tests of the trainer
 
@@ -48,12 +49,16 @@ def batch(rows: int, length: int, vocab: int):
 
 
 def step(model_path: str, rows: int, length: int, vocab: int, *overrides: str) -> dict:
-    """One trainer step (PPO loss, lr 1e-5) on this process's device: metrics, seconds, peak memory."""
+    """One trainer step (PPO loss, lr 1e-5) on this process's device: metrics, seconds, peak memory and the
+    planner's peak for the same config."""
     from qurl_mcore.config import load_config
     from qurl_mcore.loop.trainer import PolicyTrainer
+    from qurl_mcore.sizing import Shape, model_config, trainer_bytes
 
     cfg = load_config(None, [f"model.path={model_path}", "precision=bf16", "uaq.enabled=false", "train.loss=ppo",
-                             "train.lr=1e-5", f"train.micro_batch_size={min(rows, 4)}", *overrides])
+                             "train.lr=1e-5", f"train.micro_batch_size={min(rows, 4)}",
+                             f"rollout.context_length={length}", f"rollout.max_new_tokens={length // 2}", *overrides])
+    planned = trainer_bytes(Shape.of(model_config(model_path)[0]), cfg, cuda=torch.cuda.is_available())["peak"]
     trainer = PolicyTrainer(cfg)
     try:
         data = batch(rows, length, vocab)
@@ -68,7 +73,7 @@ def step(model_path: str, rows: int, length: int, vocab: int, *overrides: str) -
         seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
         return {"loss": metrics["loss/total"], "grad_norm": metrics["train/grad_norm"], "seconds": seconds,
-                "tokens_per_s": rows * length / seconds, "peak_gib": peak / 2**30,
+                "tokens_per_s": rows * length / seconds, "peak_gib": peak / 2**30, "plan_gib": planned / 2**30,
                 "params": sum(p.numel() for p in trainer.model.parameters())}
     finally:
         trainer.close()
@@ -113,17 +118,18 @@ def main() -> None:
         rel = abs(gpu["grad_norm"] - cpu["grad_norm"]) / cpu["grad_norm"]
         return (f"bf16 GPU grad norm {gpu['grad_norm']:.5f} vs fp32 CPU {cpu['grad_norm']:.5f} (rel {rel:.1e}), "
                 f"loss {gpu['loss']:.5f} vs {cpu['loss']:.5f}, step {gpu['seconds'] * 1e3:.0f} ms, "
-                f"peak {gpu['peak_gib']:.3f} GiB")
+                f"peak {gpu['peak_gib']:.3f} GiB (qurl plan {gpu['plan_gib']:.3f})")
 
     def one_b():
         path = str(random_llama(models / "llama-1b", 2048, 16, 16, 8, 5632, 32000))
         r = step(path, 8, 512, 32000)
         return (f"{r['params'] / 1e9:.2f}B params, step {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} tokens/s, "
-                f"peak {r['peak_gib']:.1f} GiB")
+                f"peak {r['peak_gib']:.2f} GiB (qurl plan {r['plan_gib']:.2f})")
 
     def moe():
         r = step(str(tiny_checkpoint("qwen3_moe", tokenizer=False)), 8, 64, 1000)
-        return f"loss {r['loss']:.5f}, grad norm {r['grad_norm']:.4f}, peak {r['peak_gib']:.3f} GiB (no TE)"
+        return (f"loss {r['loss']:.5f}, grad norm {r['grad_norm']:.4f}, peak {r['peak_gib']:.3f} GiB "
+                f"(qurl plan {r['plan_gib']:.3f}; no TE)")
 
     def gpu_tests():
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
