@@ -18,9 +18,12 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def megatron_ws1():
-    """Megatron's model-parallel state at world size 1 (gloo on CPU) for the in-process tests."""
+    """Megatron's model-parallel state at world size 1 (gloo on CPU) for one module's in-process tests.
+
+    Per module, not per session: an in-process PolicyTrainer starts and ends its own parallel state, which
+    must not find this one still up (whatever order the modules run in)."""
     from qurl_mcore.megatron.parallel import destroy_parallel, init_parallel
 
     init_parallel()
