@@ -49,6 +49,8 @@ class RolloutConfig:
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     context_length: int = 2048
     max_total_tokens: int = 0  # KV-cache size per engine; 0: SGLang sizes it from free memory
+    mem_fraction: float = 0.0  # of each GPU, SGLang's weights + KV cache (mem_fraction_static); 0: SGLang's default
+    offload: Literal["auto", True, False] = "auto"  # engines release their GPU memory while the trainer steps
     push_bucket_mb: int = 512  # bound on one weight-push bucket
     restart_attempts: int = 2  # per step: restart a crashed engine (with the latest weights) and retry
 
@@ -141,6 +143,15 @@ class Config:
         choice = self.train.distributed_optimizer
         return choice is True or (choice == "auto" and cuda)
 
+    def offload_rollout(self, cuda: bool | None = None) -> bool:
+        """Whether engines release their GPU memory (weights, KV cache, CUDA graphs) while the trainer steps and
+        take it back for the push and the rollout (auto: colocated on GPUs, where the two share each device)."""
+        import torch
+
+        cuda = torch.cuda.is_available() if cuda is None else cuda
+        choice = self.rollout.offload
+        return choice is True or (choice == "auto" and cuda and self.layout == "colocated")
+
     def resolved_precision(self):
         """(precision row, scope, format) with the defaults filled in (`qurl_mcore.precision.resolve`)."""
         p = get_precision(self.precision)
@@ -168,6 +179,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.tis_cap": (lambda v: v >= 1, "must be >= 1"),
     "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
     "rollout.top_k": (lambda v: v == -1 or v > 0, "must be -1 (off) or a positive count"),
+    "rollout.mem_fraction": (lambda v: 0 <= v < 1, "must be in [0, 1) (0: SGLang's default)"),
 }
 
 

@@ -89,6 +89,9 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
     if use_gpu and r.dtype == "float32" and fmt in KERNEL_FORMATS:
         out.problems.append(f"rollout.dtype: float32 engines cannot run SGLang's W8A8 {fmt} kernels (they write "
                             "bf16/fp16 outputs); use rollout.dtype=bfloat16")
+    if r.offload is True and cfg.layout != "colocated":
+        out.problems.append("rollout.offload: engines give their GPU memory to the trainer rank on the same GPU, "
+                            "which only the colocated layout has; use false or auto")
     if r.max_new_tokens >= r.context_length:
         out.problems.append(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for the prompt in "
                             f"rollout.context_length {r.context_length}; lower it or raise the context")
@@ -166,6 +169,10 @@ def _memory_plan(cfg: Config, hf: dict[str, Any], out: Preflight, gpu: str | Non
     gpu = gpu or local_gpu()
     if gpu is None:
         out.summary.append("  memory      not planned: no GPU of the planner's table here (qurl plan --gpu ...)")
+        if cfg.layout == "colocated" and not cfg.rollout.mem_fraction:
+            out.problems.append("rollout.mem_fraction: 0 lets each engine take SGLang's default share of a GPU it "
+                                "shares with a trainer rank; set it (qurl plan --config FILE --gpu GPU prints the "
+                                "fraction that fits)")
         return
     problems = check_fits(cfg, hf, gpu)
     out.problems += [f"memory ({gpu}): {p}" for p in problems]

@@ -486,11 +486,18 @@ def engine_bytes(s: Shape, cfg: Config, gpu: GPU, master: str = "host", kv_token
                  precision: str | None = None) -> dict[str, Any]:
     """One engine GPU: weights, masters, KV cache, SGLang's reserve, and the peak over rollout and pushes.
 
-    KV tokens: `kv_tokens`, else rollout.max_total_tokens, else what SGLang sizes on a GPU of its own:
-    (HBM − reserve − weights on the device) / (KV bytes per token per GPU). Peak:
-      master=host    weights + KV + max(reserve, CUDA graphs + masters)   (the masters come back to the GPU for
-                                                                           each push, into what decoding used)
-      master=device  weights + masters + KV + reserve
+    KV tokens: `kv_tokens`, else rollout.max_total_tokens, else what rollout.mem_fraction leaves after the
+    weights and CUDA graphs (mem_fraction·HBM − weights on the device − graphs: SGLang 0.5.23 keeps
+    (1 − mem_fraction) of the memory free at its start and sizes the cache after capturing its graphs), else
+    what SGLang sizes on a GPU of its own: HBM − reserve − weights on the device; each over the KV bytes per
+    token per GPU. Peak:
+      weights on the device + KV + reserve     (master=device: the masters are weights on the device; with
+                                                master=host a push brings one matrix of them at a time to
+                                                the GPU to re-quantize it, inside the reserve)
+    `released`: what stays on the GPU after the engine gives its memory back (rollout.offload): the reserve
+    less its CUDA graphs (SGLang's workspace, cached by torch's allocator outside the memory saver).
+    `mem_fraction`: the rollout.mem_fraction that holds these weights, this KV cache and the graphs, with
+    1 GiB to spare, rounded up to a hundredth.
     `precision` None: the config's; "bf16" sizes the same engine unquantized."""
     tp = cfg.rollout.tp_size
     row, scope, fmt = cfg.resolved_precision()
@@ -499,11 +506,12 @@ def engine_bytes(s: Shape, cfg: Config, gpu: GPU, master: str = "host", kv_token
     on_device = w["gpu_weights"] + (w["gpu_masters"] if master == "device" else 0)
     per_token = s.kv_bytes_per_token(_DTYPE_BYTES[cfg.rollout.dtype], tp)
     if kv_tokens is None:
-        kv_tokens = cfg.rollout.max_total_tokens or max(0, (gpu.hbm - reserve - on_device) // per_token)
+        room = cfg.rollout.mem_fraction * gpu.hbm - graphs if cfg.rollout.mem_fraction else gpu.hbm - reserve
+        kv_tokens = cfg.rollout.max_total_tokens or max(0, int(room - on_device) // per_token)
     kv = kv_tokens * per_token
-    work = reserve if master == "device" else max(reserve, graphs + w["gpu_masters"])
     return {"weights": w, "master": master, "kv_bytes_per_token": per_token, "kv_tokens": kv_tokens, "kv": kv,
-            "reserve": reserve, "cuda_graphs": graphs, "peak": on_device + kv + work,
+            "reserve": reserve, "cuda_graphs": graphs, "peak": on_device + kv + reserve,
+            "released": reserve - graphs, "mem_fraction": math.ceil(100 * (on_device + kv + graphs + GiB) / gpu.hbm) / 100,
             "host_masters": w["gpu_masters"] if master == "host" else 0}
 
 
@@ -606,23 +614,35 @@ def _kv_beside(s: Shape, cfg: Config, gpu: GPU, master: str, other: int, precisi
 
 
 def _budget(s: Shape, cfg: Config, gpu: GPU, master: str) -> dict[str, Any]:
-    """Trainer and engine bytes, the peak of each kind of GPU the layout has, and whether each fits."""
+    """Trainer and engine bytes, the peak of each kind of GPU the layout has, and whether each fits.
+
+    A colocated GPU holds a trainer rank and an engine. Without rollout.offload both keep their peaks at
+    once. With it the engine gives its memory back while the trainer steps and the trainer empties its
+    allocator's cache before the engine takes it again, so the GPU's peak is the larger of
+      training   the trainer's peak + what the released engine keeps
+      rollout    the trainer's states (no activations) + the engine's peak"""
     trainer = trainer_bytes(s, cfg)
     push = push_bytes(s, cfg)
     export = trainer["static"] + push["bucket_bytes"] + 2 * push["largest_tensor"]  # gathered, concatenated
     trainer_peak = max(trainer["peak"], export)
-    beside = trainer_peak if cfg.layout == "colocated" and not cfg.rollout.max_total_tokens else None
+    offload = cfg.offload_rollout(cuda=True)
+    colocated = cfg.layout == "colocated"
+    resident = export if offload else trainer_peak  # what a trainer rank holds while its engine is up
+    r = cfg.rollout
+    beside = resident if colocated and not r.max_total_tokens and not r.mem_fraction else None
     engine = engine_bytes(s, cfg, gpu, master, None if beside is None else _kv_beside(s, cfg, gpu, master, beside))
-    kv_ok = engine["kv_tokens"] >= cfg.rollout.context_length
-    if cfg.layout == "colocated":
-        gpus = {"trainer+engine": (trainer_peak + engine["peak"], kv_ok)}
-        if cfg.rollout.engines < cfg.train.world_size:
+    kv_ok = engine["kv_tokens"] >= r.context_length
+    if colocated:
+        shared = max(trainer_peak + engine["released"], resident + engine["peak"]) if offload else \
+            trainer_peak + engine["peak"]
+        gpus = {"trainer+engine": (shared, kv_ok)}
+        if r.engines < cfg.train.world_size:
             gpus["trainer"] = (trainer_peak, True)
     else:
         gpus = {"trainer": (trainer_peak, True), "engine": (engine["peak"], kv_ok)}
     fits = {who: peak <= gpu.hbm and ok for who, (peak, ok) in gpus.items()}
     return {"trainer": trainer, "trainer_peak": trainer_peak, "engine": engine, "push": push, "beside": beside,
-            "gpus": {who: peak for who, (peak, _) in gpus.items()}, "fits": fits}
+            "resident": resident, "offload": offload, "gpus": {who: peak for who, (peak, _) in gpus.items()}, "fits": fits}
 
 
 def _override(cfg: Config, changes: dict[str, Any]) -> Config:
@@ -682,7 +702,7 @@ def _verdict(s: Shape, cfg: Config, gpu: GPU, master: str, gpus_per_node: int,
                         f"{(gpu.hbm - after['gpus'][who]) / GiB:.1f} GiB free")
                 row["fixes"].append(f"{label} ({room})")
         if "engine" in who and budget["beside"] is None:
-            n = _kv_beside(s, cfg, gpu, master, budget["trainer_peak"] if "trainer" in who else 0)
+            n = _kv_beside(s, cfg, gpu, master, budget["resident"] if "trainer" in who else 0)
             if n >= r.context_length:
                 row["fixes"].append(f"rollout.max_total_tokens={n} (a KV cache that fits)")
         short = "KV cache below one sequence" if peak <= gpu.hbm else f"{(peak - gpu.hbm) / GiB:.1f} GiB short"
@@ -691,11 +711,16 @@ def _verdict(s: Shape, cfg: Config, gpu: GPU, master: str, gpus_per_node: int,
                  "train.pp_size, rollout.tp_size, rollout.max_total_tokens), or use a larger GPU")
         problems.append(f"{who} GPU: {peak / GiB:.1f} GiB at its peak on a {gpu.name} ({gpu.hbm / GiB:.1f} GiB), "
                         f"{short}; {fixes}")
-    if budget["beside"] is not None and budget["fits"]["trainer+engine"]:
-        problems.append(f"rollout.max_total_tokens: 0 lets each engine size its KV cache from the memory free when "
-                        f"it starts, while the trainer rank on its GPU is still allocating; set "
-                        f"rollout.max_total_tokens={budget['engine']['kv_tokens']} (what fits beside the "
-                        "trainer's peak)")
+    engine = budget["engine"]
+    if cfg.layout == "colocated" and not r.mem_fraction and budget["fits"]["trainer+engine"]:
+        problems.append(f"rollout.mem_fraction: 0 lets each engine take SGLang's default share of a GPU it shares "
+                        f"with a trainer rank; set rollout.mem_fraction={engine['mem_fraction']} (its weights and a KV "
+                        f"cache of {engine['kv_tokens']} tokens"
+                        + (", what fits beside the trainer)" if budget["beside"] is not None else ")"))
+    elif r.mem_fraction and r.max_total_tokens and r.mem_fraction < engine["mem_fraction"]:
+        problems.append(f"rollout.mem_fraction: {r.mem_fraction} of a {gpu.name} holds less than the engine's weights "
+                        f"and its KV cache of rollout.max_total_tokens={r.max_total_tokens}; use "
+                        f"{engine['mem_fraction']}, or fewer tokens")
     return rows, problems
 
 
@@ -746,7 +771,8 @@ def plan(cfg: Config, hf: dict[str, Any], gpu: str, gpus_per_node: int = 8, node
         model={"source": source, "model_type": s.model_type, "parameters": parameter_count(s),
                "layers": s.layers, "experts": s.experts, "shape_only": bool(hf.get("shape_only"))},
         hardware={"gpu": g.name, "hbm_gib": g.hbm / GiB, "hbm_tb_s": g.hbm_tb_s, "bf16_tflops": g.tflops["bf16"],
-                  "gpus_per_node": gpus_per_node, "nodes_needed": needed, "layout": cfg.layout},
+                  "gpus_per_node": gpus_per_node, "nodes_needed": needed, "layout": cfg.layout,
+                  "offload": budget["offload"]},
         trainer={**budget["trainer"], "peak_with_push": budget["trainer_peak"],
                  "split": {"tp": cfg.train.tp_size, "pp": cfg.train.pp_size, "ep": cfg.train.ep_size,
                            "dp": cfg.train.dp_size}},
@@ -793,7 +819,8 @@ def format_plan(p: Plan) -> str:
         (f"engines   {e['count']} x TP {e['tp']}, {e['precision']} ({e['format'] or 'bf16'}, scope {e['scope']}); "
          f"per GPU: weights {_gib(w['gpu_weights'])}, masters {_gib(w['gpu_masters'])} on the {e['master']}, KV "
          f"cache {_gib(e['kv'])} ({e['kv_tokens']} tokens), SGLang reserve {_gib(e['reserve'])}; peak "
-         f"{_gib(e['peak'])}"
+         f"{_gib(e['peak'])}, rollout.mem_fraction {e['mem_fraction']}"
+         + (f"; released while the trainer steps: {_gib(e['released'])} stay" if p.hardware["offload"] else "")
          + (f"; host RAM for masters {_gib(e['host_masters_per_node'])} per node" if e["host_masters"] else "")),
         (f"push      {pu['bytes'] / GB:.2f} GB in {pu['dtype']}, {pu['buckets']} bucket(s) of <= "
          f"{pu['bucket_bytes'] >> 20} MiB; {pu['seconds']:.2f} s on {pu['link']} ("

@@ -5,6 +5,7 @@ local attention in fp32, not the GPU path (bf16, SDPA) the activation formula de
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -191,6 +192,66 @@ def test_check_fits_names_the_lever():
     assert "fixes (each alone): train.recompute=full" in problems[0]
 
 
+def test_kv_cache_from_mem_fraction_by_hand():
+    """SGLang keeps (1 − mem_fraction) of the GPU free and sizes the KV cache after its weights and CUDA graphs:
+    tokens = (f·HBM − graphs − weights) // KV bytes per token (tiny Llama, bf16 engine: 2 layers x 2 KV heads
+    x 32 x (K, V) x 2 bytes = 512 B a token)."""
+    from qurl_mcore.sizing import GPUS, engine_bytes, sglang_reserve
+
+    hf, _ = model_config("tiny-llama")
+    s, gpu = Shape.of(hf), GPUS["h100-80g"]
+    cfg = load_config(None, ["model.path=tiny-llama", "precision=bf16", "rollout.mem_fraction=0.25"])
+    e = engine_bytes(s, cfg, gpu)
+    reserve, graphs = sglang_reserve(gpu, 1)
+    weights = e["weights"]["gpu_weights"]
+    assert weights == 2 * parameter_count(s) and e["kv_bytes_per_token"] == 512
+    assert e["kv_tokens"] == int(0.25 * gpu.hbm - graphs - weights) // 512
+    assert e["peak"] == weights + e["kv"] + reserve and e["released"] == reserve - graphs
+    assert e["mem_fraction"] == math.ceil(100 * (weights + e["kv"] + graphs + 2**30) / gpu.hbm) / 100
+
+
+def test_offload_follows_the_layout_and_the_device():
+    cases = {("auto", "colocated", True): True, ("auto", "colocated", False): False,
+             ("auto", "disaggregated", True): False, (True, "colocated", False): True, (False, "colocated", True): False}
+    for (choice, layout, cuda), expected in cases.items():
+        cfg = load_config(None, [f"rollout.offload={str(choice).lower()}", f"layout={layout}"])
+        assert cfg.offload_rollout(cuda=cuda) is expected, (choice, layout, cuda)
+
+
+def test_offload_lowers_a_colocated_gpus_peak():
+    """With offload a colocated GPU peaks at max(trainer peak + what a released engine keeps, the trainer's
+    states + the engine's peak), not at the sum of both peaks."""
+    hf, _ = model_config("/models/Qwen2.5-Math-7B")
+    base = ["rollout.max_total_tokens=65536", "rollout.mem_fraction=0.5"]
+    kept = plan(load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", base + ["rollout.offload=false"]), hf,
+                "h100-80g")
+    freed = plan(load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", base + ["rollout.offload=true"]), hf,
+                 "h100-80g")
+    assert (kept.hardware["offload"], freed.hardware["offload"]) == (False, True)
+    t, e = freed.trainer, freed.engines
+    export = t["static"] + freed.push["bucket_bytes"] + 2 * freed.push["largest_tensor"]
+    shared = [row["peak_gib"] * 2**30 for row in kept.verdict + freed.verdict if row["gpu"] == "trainer+engine"]
+    assert shared[0] == pytest.approx(t["peak_with_push"] + e["peak"])
+    assert shared[1] == pytest.approx(max(t["peak_with_push"] + e["released"], export + e["peak"]))
+    assert shared[1] < shared[0]
+
+
+def test_colocated_engines_are_given_a_mem_fraction_that_fits():
+    """SGLang's default mem_fraction_static on a GPU shared with a trainer rank is refused with the fraction that
+    fits; that fraction then plans clean and holds the KV cache it promised."""
+    hf, _ = model_config("/models/Qwen2.5-Math-7B")
+    cfg = load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", ["rollout.mem_fraction=0"])
+    problems = plan(cfg, hf, "h100-80g").problems
+    assert len(problems) == 1 and problems[0].startswith("rollout.mem_fraction: 0 lets each engine"), problems
+    fraction = float(re.search(r"set rollout.mem_fraction=([0-9.]+)", problems[0]).group(1))
+    fixed = plan(load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", [f"rollout.mem_fraction={fraction}"]),
+                 hf, "h100-80g")
+    assert fixed.problems == [] and fixed.engines["mem_fraction"] <= fraction
+    small = load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", ["rollout.mem_fraction=0.1"])
+    assert any(p.startswith("rollout.mem_fraction: 0.1 of a h100-80g holds less") for p in plan(small, hf,
+                                                                                                   "h100-80g").problems)
+
+
 # ---- the shipped GPU configs fit their stated hardware ------------------------------------------------------
 
 _HARDWARE = re.compile(r"(\d+) nodes? x (\d+) (H100|H200|B200)")
@@ -244,7 +305,7 @@ def test_preflight_plans_memory_only_where_it_knows_the_gpu(tmp_path):
     from qurl_mcore.sizing import local_gpu
 
     cfg = load_config(None, ["model.path=tiny-llama", f"checkpoint.dir={tmp_path}/c", f"logging.dir={tmp_path}/l",
-                             "rollout.max_total_tokens=65536"])
+                             "rollout.max_total_tokens=65536", "rollout.mem_fraction=0.3"])
     text = preflight(cfg, use_gpu=True).report()
     assert ("not planned: no GPU of the planner's table here" in text) == (local_gpu() is None)
     assert "fits on h100-80g" in preflight(cfg, gpu="h100-80g").report()

@@ -11,6 +11,7 @@ from qurl_mcore.config import load_config
 from qurl_mcore.loop.actors import Placement, unplaceable
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.preflight import preflight
+from qurl_mcore.sizing import local_gpu
 
 TINY = ["model.path=tiny-llama", "uaq.enabled=false", "precision=bf16"]
 
@@ -85,3 +86,16 @@ def test_a_float32_engine_cannot_run_the_w8a8_kernels(tmp_path):
     text = _problems(tmp_path, "precision=int8", "rollout.dtype=float32", use_gpu=True)
     assert "rollout.dtype: float32 engines cannot run SGLang's W8A8 int8 kernels" in text
     assert "rollout.dtype" not in _problems(tmp_path, "precision=int8", "rollout.dtype=float32", use_gpu=False)
+
+
+def test_engine_memory_settings_on_gpus(tmp_path):
+    """Offloading an engine needs a trainer rank on its GPU; an engine that shares one needs a mem_fraction
+    (SGLang's default share would leave the trainer too little), even where the planner does not know the GPU."""
+    assert "rollout.offload: engines give their GPU memory to the trainer rank" in _problems(
+        tmp_path, "layout=disaggregated", "rollout.offload=true")
+    assert "rollout.offload" not in _problems(tmp_path, "layout=disaggregated")
+    if local_gpu() is None:  # the planner does not know this machine's GPU (or it has none)
+        unknown = _problems(tmp_path, use_gpu=True)
+        assert "rollout.mem_fraction: 0 lets each engine take SGLang's default share" in unknown
+    assert "rollout.mem_fraction" not in _problems(tmp_path, "rollout.mem_fraction=0.3", use_gpu=True)
+    assert "rollout.mem_fraction" not in _problems(tmp_path, "layout=disaggregated", use_gpu=True)

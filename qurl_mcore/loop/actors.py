@@ -3,8 +3,9 @@ SGLang engine, and the `RolloutManager`.
 
 Layouts (placement groups, strategy PACK so a group fills nodes in order):
   colocated       one bundle per trainer rank ({GPU: 1} on GPUs); trainer rank i and engine host i share
-                  bundle i, each with half a device: engines sleep while the trainer steps and vice versa.
-                  Engines have TP = 1 here (one per trainer rank). Weights go to the engines as tensors.
+                  bundle i, each with half a device: engines sleep while the trainer steps and vice versa,
+                  and with rollout.offload they give back their GPU memory meanwhile (driver.Loop). Engines
+                  have TP = 1 here (one per trainer rank). Weights go to the engines as tensors.
   disaggregated   trainer bundles as above on `qurl_train` nodes, plus one bundle of rollout.tp_size devices
                   per engine on `qurl_rollout` nodes. Weights go to the engines by broadcast (driver.Loop).
 Nodes started by `launch/ray_cluster.sh` / the Slurm job carry the custom resources `qurl_train` and
@@ -122,11 +123,13 @@ def wait_for_placement(pg, stop, timeout: float = 600.0) -> None:
 
 def start_actors(cfg: Config, model_path: str, stop=None):
     """Create the placement group, the trainer group, the engine hosts and the rollout manager.
-    Returns (trainers, hosts, manager, placement group). Engines start in parallel with the trainers.
+    Returns (trainers, hosts, manager, placement group). Engines start in parallel with the trainers, except
+    with rollout.offload: then they start first, size their KV cache on GPUs no trainer has touched yet, and
+    give their memory back before the trainers start (the first push takes it again).
     A placement the cluster cannot hold is refused at once (ValueError naming what is missing); one it can
     hold but not yet is waited for, as long as `stop` (a checkpoint.StopRequest) is not requested."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     from .rollout import EngineHost, RolloutManager, engine_config
     from .trainer import PolicyTrainer
@@ -147,6 +150,16 @@ def start_actors(cfg: Config, model_path: str, stop=None):
     logs = os.path.abspath(cfg.logging.dir)  # each actor's output: a file of its own there
     hosts = [ray.remote(EngineHost).options(**_options(placement, pg, b, engine_devices, threads)).remote(
         config, host, log_file=f"{logs}/engine-{i}.log") for i, b in enumerate(placement.engines)]
+    if cfg.offload_rollout(use_gpu):
+        for i, h in enumerate(hosts):
+            try:
+                ray.get(h.release_memory.remote())
+            except Exception as err:  # noqa: BLE001 - any failure to start or release: name the engine
+                for actor in hosts:
+                    ray.kill(actor)
+                remove_placement_group(pg)
+                raise RunFailure(f"rollout engine {i} failed to start: {str(err)[-500:]}; see "
+                                 f"{logs}/engine-{i}.log") from None
     # rank 0 hosts the rendezvous: its node's address, and a port free there (not on the driver's node)
     master, port = ray.get(ray.remote(_rendezvous).options(
         **_options(placement, pg, placement.trainer[0], 0, threads)).remote())

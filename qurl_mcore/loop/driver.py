@@ -91,6 +91,7 @@ class Loop:
         self.cfg = cfg
         self.ray = ray
         self.model_path = str(resolve_model_path(cfg.model.path))
+        self.offload = cfg.offload_rollout(ray.cluster_resources().get("GPU", 0) > 0)
         self.trainers, self.hosts, self.manager, self.pg = start_actors(cfg, self.model_path, stop)
         self.engine_restarts = 0
         self.groups_opened = 0  # weight broadcast groups (disaggregated layout), one more after each restart
@@ -202,7 +203,19 @@ class Loop:
         raise AssertionError("unreachable")
 
     def push_all(self, version: str) -> float:
-        return self.recovering(lambda: self.push(version), version)
+        """Every engine gets the trainer's weights as `version` (restarting failed ones); returns the seconds.
+        With rollout.offload the engines take back their weights' memory first (the trainer empties its
+        allocator's cache for it) and their KV cache and CUDA graphs after."""
+        def push() -> float:
+            if not self.offload:
+                return self.push(version)
+            self.trainers_do("empty_cache")
+            self.manager_do("resume_memory", ["weights"])
+            seconds = self.push(version)
+            self.manager_do("resume_memory", ["kv_cache", "cuda_graph"])
+            return seconds
+
+        return self.recovering(push, version)
 
     def rollout(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """The step's samples (a failed engine is restarted with the current weights and the rollout retried)."""
@@ -240,6 +253,8 @@ class Loop:
     def step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
         samples, metrics = self.rollout(step)
+        if self.offload:  # the trainer steps in the engines' memory; push_all gives it back
+            self.recovering(lambda: self.manager_do("release_memory"), f"step-{step}")
         samples, adv, adv_metrics = advantages(self.cfg, samples)
         metrics.update(adv_metrics)
         t_train = time.perf_counter()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qurl_mcore.config import Config
-from qurl_mcore.rollout import EngineConfig, Generation, HttpEngine
+from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
 from qurl_mcore.sglang.options import QUANTIZED_LOG_ENV
 from qurl_mcore.tasks import REWARDS, Example, addition_examples, load_examples, score_all
 
@@ -35,8 +35,10 @@ def engine_quantization(cfg: Config) -> tuple[str | None, dict[str, Any]]:
 def engine_config(cfg: Config, model_path: str, device: str) -> EngineConfig:
     method, options = engine_quantization(cfg)
     extra: dict[str, Any] = {"tp_size": cfg.rollout.tp_size} if cfg.rollout.tp_size > 1 else {}
+    if device == "cuda" and cfg.offload_rollout(cuda=True):  # torch_memory_saver's allocator (GPUs only)
+        extra["enable_memory_saver"] = True
     return EngineConfig(str(model_path), method, options, device=device, dtype=cfg.rollout.dtype, random_seed=cfg.seed,
-                        context_length=cfg.rollout.context_length,
+                        context_length=cfg.rollout.context_length, mem_fraction_static=cfg.rollout.mem_fraction or None,
                         max_total_tokens=cfg.rollout.max_total_tokens or None, extra=extra)
 
 
@@ -71,6 +73,7 @@ class EngineHost:
         self.start()
 
     def start(self) -> tuple[str, str | None]:
+        self.released: set[str] = set()  # memory tags given back (release_memory) and not yet resumed
         fd, self.quantized_log = tempfile.mkstemp(prefix="qurl-quantized-", suffix=".txt")
         os.close(fd)
         # a fresh key per server: only the trainer ranks that push to it learn it (endpoint(), through Ray)
@@ -98,6 +101,18 @@ class EngineHost:
 
     def generate(self, input_ids: list[list[int]], sampling: dict) -> list[Generation]:
         return self.engine.generate(input_ids, sampling)
+
+    def release_memory(self) -> None:
+        """Give back all of the engine's GPU memory (the trainer on the same GPU steps meanwhile)."""
+        self.engine.release_memory(MEMORY_TAGS)
+        self.released = set(MEMORY_TAGS)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Take back those of `tags` that are released (none on a freshly restarted engine)."""
+        todo = [t for t in MEMORY_TAGS if t in tags and t in self.released]
+        if todo:
+            self.engine.resume_memory(todo)
+            self.released -= set(todo)
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -216,6 +231,13 @@ class RolloutManager:
         import ray
 
         ray.get(self.hosts[index].restart.remote())
+
+    def release_memory(self) -> None:
+        """Every engine gives back its GPU memory (EngineFailure names one that fails)."""
+        self._gather({i: host.release_memory.remote() for i, host in enumerate(self.hosts)})
+
+    def resume_memory(self, tags: list[str]) -> None:
+        self._gather({i: host.resume_memory.remote(tags) for i, host in enumerate(self.hosts)})
 
     def pids(self) -> list[int]:
         import ray

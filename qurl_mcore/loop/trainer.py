@@ -375,6 +375,11 @@ class PolicyTrainer:
         """Load this rank's state from a published (verified) checkpoint."""
         self.load_state(ckpt.read_file(path, ckpt.rank_file(self.rank)))
 
+    def empty_cache(self) -> None:
+        """Hand the allocator's cached blocks back to the GPU, for an engine on the same one to resume into."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def close(self) -> None:
         from qurl_mcore.megatron import destroy_parallel
 

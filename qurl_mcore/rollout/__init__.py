@@ -1,9 +1,11 @@
 """Rollout client for SGLang: start or attach an engine, generate with behaviour log-probs (and routed
 experts for MoE), push trainer weights in bounded buckets under a weight version. docs/rollout.md."""
 from .config import EngineConfig
-from .engine import DEFAULT_BUCKET_BYTES, LocalEngine, RolloutEngine, WeightPushError, WeightSpecError
+from .engine import (
+    DEFAULT_BUCKET_BYTES, MEMORY_TAGS, LocalEngine, RolloutEngine, WeightPushError, WeightSpecError,
+)
 from .http import HttpEngine
 from .results import Generation
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "EngineConfig", "Generation", "HttpEngine", "LocalEngine", "RolloutEngine",
-           "WeightPushError", "WeightSpecError"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "MEMORY_TAGS", "EngineConfig", "Generation", "HttpEngine", "LocalEngine",
+           "RolloutEngine", "WeightPushError", "WeightSpecError"]

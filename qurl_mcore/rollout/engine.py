@@ -31,6 +31,8 @@ from .results import Generation, parse
 
 #: default push bucket: 512 MiB bounds the extra memory of one push on both sides
 DEFAULT_BUCKET_BYTES = 512 << 20
+#: what an engine can release while it is idle (SGLang's memory-saver tags; constants.GPU_MEMORY_TYPE_*)
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class WeightPushError(RuntimeError):
@@ -171,6 +173,19 @@ class RolloutEngine(ABC):
                 yield {"named_tensors": bucket}
 
         return self._update_session("update_weights_from_tensor", checked(), version)
+
+    # -- memory, for a trainer on the same GPU ----------------------------------------------------------
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Free the GPU memory of `tags` (of MEMORY_TAGS) while the engine is idle (SGLang's
+        release_memory_occupation; on GPUs the engine needs `enable_memory_saver`). Released weights are
+        garbage until resumed and pushed again; a released KV cache holds nothing (the prefix cache is
+        flushed)."""
+        self._control("release_memory_occupation", tags=list(tags))
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Take back the memory of released `tags`: weights before a push, the KV cache and CUDA graphs
+        before generating."""
+        self._control("resume_memory_occupation", tags=list(tags))
 
     # -- broadcast pushes (disaggregated layout) ---------------------------------------------------------
     def join_weight_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,

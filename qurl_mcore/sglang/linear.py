@@ -31,7 +31,7 @@ class QurlLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         if not weights.is_loaded(layer, "weight"):
             return  # already quantized and nothing was restored since
-        fresh = quantize_weight(layer.weight.data, self.spec)
+        fresh = quantize_weight(weights.at_home(layer, "weight", layer.weight.data), self.spec)
         layer.qurl_weight = weights.store(getattr(layer, "qurl_weight", None), fresh)
         weights.detach_master(layer, "weight", host=self.options.master == "host")
 

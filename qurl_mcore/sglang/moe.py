@@ -66,10 +66,10 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         if not all(weights.is_loaded(layer, n) for n in _WEIGHTS):
             return
-        device = layer.w13_weight.device
+        device = weights.home(layer, "w13_weight")
         for name in _WEIGHTS:
             w = getattr(layer, name).data
-            fresh = [quantize_weight(w[e], self.spec) for e in range(w.shape[0])]
+            fresh = [quantize_weight(weights.at_home(layer, name, w[e]), self.spec) for e in range(w.shape[0])]
             old = getattr(layer, f"qurl_{name}", None)
             if old is None:
                 if self._use_kernels(device):  # stacked storage for the fused kernel, experts as views of it

@@ -2,14 +2,19 @@
 
 Lifecycle of one weight `W` of a quantized layer (SGLang 0.5.23):
   create_weights                 W is a full-precision Parameter that the checkpoint loaders write into
-  process_weights_after_loading  Q(W) = quantize_weight(W, spec) serves the forward; W leaves the module and
-                                 waits as the master copy (on the host by default)
+  process_weights_after_loading  Q(W) = quantize_weight(W, spec) serves the forward on W's device (its home);
+                                 W leaves the module and waits as the master copy: in pinned host memory by
+                                 default (master="host"), else where it was (master="device")
   begin_weight_update            restore_weights_before_loading puts the very same Parameter back (with its
-                                 loader attributes), so a partial or bucketed update overwrites only the
-                                 rows it carries and every other row keeps its exact full-precision value
+                                 loader attributes) where it waits, so a partial or bucketed update
+                                 overwrites only the rows it carries and every other row keeps its exact
+                                 full-precision value; a host master stays on the host and the loaders copy
+                                 the pushed rows into it across the bus
   update_weights_from_*          SGLang's loaders write the pushed BF16 tensors into W
-  end_weight_update              process_weights_after_loading re-quantizes; the quantized tensors are
-                                 overwritten in place, so captured CUDA graphs keep reading valid memory
+  end_weight_update              process_weights_after_loading re-quantizes, one weight (one expert) at a
+                                 time from a copy at home (`at_home`), so the device never holds more than
+                                 one matrix of masters; the quantized tensors are overwritten in place, so
+                                 captured CUDA graphs keep reading valid memory
 """
 from __future__ import annotations
 
@@ -18,25 +23,38 @@ import torch
 from qurl_mcore.quant import QTensor
 
 _MASTERS = "_qurl_masters"
+_HOMES = "_qurl_homes"
 
 
 def detach_master(layer: torch.nn.Module, name: str, host: bool) -> None:
-    """Take Parameter `name` off the layer and keep it as the master (its data moved to the CPU if `host`)."""
+    """Take Parameter `name` off the layer and keep it as the master: moved to pinned host memory if `host`
+    (pinned: the copies to and from the device run at the bus's speed), else left where it is. Its home, the
+    device its quantized copy serves from, is remembered."""
     param = layer._parameters.pop(name)
-    device = param.device
-    if host:
-        param.data = param.data.to("cpu")
-    layer.__dict__.setdefault(_MASTERS, {})[name] = (param, device)
+    layer.__dict__.setdefault(_HOMES, {}).setdefault(name, param.device)
+    if host and param.device.type != "cpu":
+        pinned = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=True)
+        param.data = pinned.copy_(param.data)
+    layer.__dict__.setdefault(_MASTERS, {})[name] = param
 
 
 def attach_master(layer: torch.nn.Module, name: str) -> None:
-    """Put the master Parameter `name` back on the layer, on the device it came from (no-op if present)."""
-    masters = layer.__dict__.get(_MASTERS, {})
-    if name not in masters:
-        return
-    param, device = masters.pop(name)
-    param.data = param.data.to(device)
-    layer.register_parameter(name, param)
+    """Put the master Parameter `name` back on the layer, where it waits (no-op if present)."""
+    param = layer.__dict__.get(_MASTERS, {}).pop(name, None)
+    if param is not None:
+        layer.register_parameter(name, param)
+
+
+def home(layer: torch.nn.Module, name: str) -> torch.device:
+    """The device the quantized copy of `name` serves from: where the Parameter was when first loaded."""
+    remembered = layer.__dict__.get(_HOMES, {}).get(name)
+    return remembered if remembered is not None else layer._parameters[name].device
+
+
+def at_home(layer: torch.nn.Module, name: str, w: torch.Tensor) -> torch.Tensor:
+    """`w` (the loaded Parameter `name`, or a slice of it) at `home`: `w` itself when it is there, else a
+    temporary copy, freed once quantized."""
+    return w.to(home(layer, name), non_blocking=True)
 
 
 def is_loaded(layer: torch.nn.Module, name: str) -> bool:

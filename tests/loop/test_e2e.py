@@ -137,7 +137,9 @@ def test_disaggregated_broadcast_push_matches_the_colocated_run(dense_run, tmp_p
 
 @pytest.mark.slow
 def test_killed_engine_is_replaced_and_the_run_finishes(tmp_path):
-    process = _start(tmp_path, "model.path=tiny-llama", "steps=3")
+    """With rollout.offload (engines release their memory while the trainer steps, as on GPUs): the engine
+    killed after step 1 is restarted, the push resumes only the memory the others released, the run ends."""
+    process = _start(tmp_path, "model.path=tiny-llama", "steps=3", "rollout.offload=true")
     _wait_for_step(tmp_path, process, 1)
     pid = json.loads((tmp_path / "logs" / "pids.json").read_text())["engines"][0]
     os.killpg(pid, signal.SIGKILL)  # the server and its scheduler/detokenizer workers

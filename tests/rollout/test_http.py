@@ -99,3 +99,25 @@ def test_push_weights_with_version(server):
     assert (after.output_ids, after.output_logprobs) == (before.output_ids, before.output_logprobs)
     with pytest.raises(WeightPushError, match="step-3"):
         engine.check_version("step-3")
+
+
+def test_released_engine_resumes_for_a_push_and_generates_the_same(server):
+    """The colocated loop's cycle (rollout.offload): release everything while the trainer steps, take the
+    weights back for the push (which re-quantizes them), then the KV cache and graphs for the rollout. On the
+    CPU the release frees nothing (no memory saver), but the calls, the flushed cache and the re-quantization
+    after them run as on a GPU."""
+    from safetensors.torch import load_file
+
+    from qurl_mcore.rollout import MEMORY_TAGS
+
+    engine, path = server
+    ids = [[1, 504, 3575, 282, 3575]]
+    greedy = {"max_new_tokens": 6, "temperature": 0.0}
+    before = engine.generate(ids, greedy)[0]
+    engine.release_memory(MEMORY_TAGS)
+    engine.resume_memory(["weights"])
+    engine.push_weights(list(load_file(f"{path}/model.safetensors").items()), version="after-release")
+    engine.resume_memory(["kv_cache", "cuda_graph"])
+    after = engine.generate(ids, greedy)[0]
+    assert after.weight_version == "after-release"
+    assert (after.output_ids, after.output_logprobs) == (before.output_ids, before.output_logprobs)
