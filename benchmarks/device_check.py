@@ -3,10 +3,15 @@ each, skipped once the time budget no longer fits them:
 
   trainer-tiny   a tiny Llama step in bf16 with Megatron's DDP and distributed optimizer at world size 1,
                  against the same step on the CPU (fp32, in a process without CUDA): loss, peak memory
+  rollout-graphs each rollout method's linear captured in a CUDA graph, replayed after new input and after an
+                 in-place refit: equal to eager (benchmarks/rollout_kernels.py, as are the next two)
+  rollout-decode INT8/FP8 linear at decode batches 1, 16, 128 on 7B/32B projection shapes vs bf16
+  rollout-requant re-quantizing Qwen2.5-7B's linears vs copying them on the device
   trainer-1b     a ~1.1B-parameter Llama step (bf16, distributed optimizer): time, tokens/s, peak memory
                  against `qurl plan`'s trainer peak for the same config (sizing.trainer_bytes)
   trainer-moe    a tiny Qwen3-MoE step on the GPU without Transformer Engine
-  gpu-tests      the `gpu`-marked tests of the trainer
+  gpu-tests      the `gpu`-marked tests (trainer, GEMM kernels, spec, the engine's host masters)
+  quant-throughput quantize+dequantize, eager and compiled, vs a copy (benchmarks/quant_throughput.py)
 
 Models are random checkpoints written here (no tokenizer, no network).
 """
@@ -20,9 +25,14 @@ import sys
 import time
 from pathlib import Path
 
+import quant_throughput
+import rollout_kernels
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the `gpu`-marked tests that need no SGLang (the GPU machine has none)
+GPU_TESTS = ("tests/loop/test_trainer_gpu.py", "tests/quant/test_gemm.py", "tests/megatron/test_spec.py",
+             "tests/sglang/test_plugin_units.py")
 
 
 def random_llama(out: Path, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int) -> Path:
@@ -133,13 +143,39 @@ def main() -> None:
 
     def gpu_tests():
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                              "tests/loop/test_trainer_gpu.py"], cwd=ROOT, capture_output=True, text=True, timeout=400)
+                              *GPU_TESTS], cwd=ROOT, capture_output=True, text=True, timeout=400)
         return out.stdout.strip().splitlines()[-1] + ("" if out.returncode == 0 else "\n" + out.stdout[-3000:])
 
+    def graphs():
+        results = rollout_kernels.graph_replays()
+        bad = [m for m, ok in results.items() if not ok]
+        return f"{len(results) - len(bad)} of {len(results)} methods replay equal to eager" + (
+            f"; DIFFER: {bad}" if bad else "")
+
+    def decode():
+        speedups = rollout_kernels.decode_speedups("cuda")
+        return "bf16 time / quantized: " + ", ".join(
+            f"{fmt} M{m} {k}x{n} x{r:.2f}" for (fmt, m, k, n), r in speedups.items())
+
+    def requant():
+        linears = rollout_kernels.qwen25_7b_linears()
+        base, ratios = rollout_kernels.requant_ratios("cuda", linears)
+        return (f"{len(linears)} linears of Qwen2.5-7B, copy {base * 1e3:.1f} ms; re-quantize / copy: "
+                + ", ".join(f"{fmt} x{r:.1f}" for fmt, r in ratios.items()))
+
+    def throughput():
+        base, rows = quant_throughput.quantize_ratios(8192, 10, "cuda")
+        return f"8192^2 fp32 copy {base * 1e3:.2f} ms; eager/compiled x copy: " + ", ".join(
+            f"{fmt}/{gran} {e:.1f}/{c:.1f}" for fmt, gran, e, c in rows)
+
     section("trainer-tiny", deadline, 60, tiny)
+    section("rollout-graphs", deadline, 30, graphs)
+    section("rollout-decode", deadline, 30, decode)
+    section("rollout-requant", deadline, 40, requant)
     section("trainer-1b", deadline, 120, one_b)
     section("trainer-moe", deadline, 40, moe)
     section("gpu-tests", deadline, 90, gpu_tests)
+    section("quant-throughput", deadline, 120, throughput)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
       eager (the reference) and compiled (torch.compile, fullgraph: the fused path; checked bitwise equal)
   RC linear forward+backward (per mode)                                      /  a plain fp32 linear
 
-Usage: python benchmarks/quant_throughput.py [--size 4096] [--tokens 1024] [--repeats 5]
+Usage: python benchmarks/quant_throughput.py [--device cpu|cuda] [--size 4096] [--tokens 1024] [--repeats 5]
+(the GPU check runs the first table on its GPU: benchmarks/device_check.py)
 """
 from __future__ import annotations
 
@@ -21,17 +22,39 @@ CASES = [("int8", "token"), ("int8", "block"), ("fp8_e4m3", "token"), ("fp8_e4m3
 
 
 def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
+    """The median wall time of `fn` after one warm-up call, waiting for the GPU's queued work each time."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
+def quantize_ratios(size: int, repeats: int, device: str = "cpu") -> tuple[float, list[tuple[str, str, float, float]]]:
+    """(copy seconds, [(format, granularity, eager / copy, compiled / copy)]) for quantize+dequantize of a
+    [size, size] fp32 tensor on `device`; the compiled path is checked bitwise equal to eager first."""
+    x = torch.randn(size, size, device=device)
+    base = median_seconds(lambda: x.clone(), repeats)
+    rows = []
+    for fmt, gran in CASES:
+        assert fmt in FORMATS
+        eager = lambda t, fmt=fmt, gran=gran: quantize(t, fmt, gran).dequantize()  # noqa: E731
+        fused = torch.compile(eager, fullgraph=True)
+        if not torch.equal(fused(x), eager(x)):
+            raise AssertionError(f"{fmt}/{gran}: the compiled path differs from eager")
+        rows.append((fmt, gran, median_seconds(lambda: eager(x), repeats) / base,
+                     median_seconds(lambda: fused(x), repeats) / base))
+    return base, rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -40,23 +63,16 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 
-    x = torch.randn(args.size, args.size)
-    base = median_seconds(lambda: x.clone(), args.repeats)
-    print(f"\nquantize+dequantize {args.size}x{args.size} (baseline: copy = {base * 1e3:.1f} ms)")
+    base, rows = quantize_ratios(args.size, args.repeats, args.device)
+    print(f"\nquantize+dequantize {args.size}x{args.size} on {args.device} (baseline: copy = {base * 1e3:.1f} ms)")
     print(f"{'format':<10} {'granularity':<12} {'eager ms':>9} {'x copy':>7} {'compiled ms':>12} {'x copy':>7}")
-    for fmt, gran in CASES:
-        assert fmt in FORMATS
-        eager = lambda t, fmt=fmt, gran=gran: quantize(t, fmt, gran).dequantize()  # noqa: E731
-        fused = torch.compile(eager, fullgraph=True)
-        if not torch.equal(fused(x), eager(x)):
-            raise AssertionError(f"{fmt}/{gran}: the compiled path differs from eager")
-        t = median_seconds(lambda: eager(x), args.repeats)
-        c = median_seconds(lambda: fused(x), args.repeats)
-        print(f"{fmt:<10} {gran:<12} {t * 1e3:>9.1f} {t / base:>6.1f}x {c * 1e3:>12.1f} {c / base:>6.1f}x")
+    for fmt, gran, eager, fused in rows:
+        print(f"{fmt:<10} {gran:<12} {eager * base * 1e3:>9.1f} {eager:>6.1f}x {fused * base * 1e3:>12.1f} "
+              f"{fused:>6.1f}x")
 
-    a = torch.randn(args.tokens, args.hidden, requires_grad=True)
-    w = torch.randn(args.hidden, args.hidden, requires_grad=True)
-    g = torch.randn(args.tokens, args.hidden)
+    a = torch.randn(args.tokens, args.hidden, device=args.device, requires_grad=True)
+    w = torch.randn(args.hidden, args.hidden, device=args.device, requires_grad=True)
+    g = torch.randn(args.tokens, args.hidden, device=args.device)
 
     def fwd_bwd(spec=None):
         y = torch.nn.functional.linear(a, w) if spec is None else quant_linear(a, w, spec=spec)
