@@ -2,11 +2,20 @@
 from .fake import fake_quantize, residual_fake_quantize, residual_quantize
 from .formats import E2M1_GRID, FORMATS, FormatSpec, get_format
 from .gemm import quantized_matmul, select_backend
-from .linear import MODES, QuantLinearSpec, make_spec, quant_linear, quantize_weight, quantized_linear
+from .linear import (
+    MODES,
+    QuantLinearSpec,
+    make_spec,
+    quant_linear,
+    quantize_activation,
+    quantize_weight,
+    quantized_linear,
+)
 from .qtensor import ACT_BLOCK, GRANULARITIES, WEIGHT_BLOCK, QTensor, quantize
 
 __all__ = [
     "ACT_BLOCK", "E2M1_GRID", "FORMATS", "FormatSpec", "GRANULARITIES", "MODES", "QTensor", "QuantLinearSpec",
-    "WEIGHT_BLOCK", "fake_quantize", "get_format", "make_spec", "quant_linear", "quantize", "quantize_weight",
-    "quantized_linear", "quantized_matmul", "residual_fake_quantize", "residual_quantize", "select_backend",
+    "WEIGHT_BLOCK", "fake_quantize", "get_format", "make_spec", "quant_linear", "quantize", "quantize_activation",
+    "quantize_weight", "quantized_linear", "quantized_matmul", "residual_fake_quantize", "residual_quantize",
+    "select_backend",
 ]

@@ -14,12 +14,13 @@ from .qtensor import QTensor, quantize
 
 
 def residual_quantize(
-    x: torch.Tensor, fmt: str, granularity: str, *, block_shape: tuple[int, int] | None = None
+    x: torch.Tensor, fmt: str, granularity: str, *, block_shape: tuple[int, int] | None = None,
+    batch_dims: int = 0,
 ) -> tuple[QTensor, QTensor]:
-    """(Q(x), Q(x - Q(x))): the two operands of a residual-corrected GEMM."""
-    first = quantize(x, fmt, granularity, block_shape=block_shape)
+    """(Q(x), Q(x - Q(x))): the two operands of a residual-corrected GEMM (`batch_dims` as in `quantize`)."""
+    first = quantize(x, fmt, granularity, block_shape=block_shape, batch_dims=batch_dims)
     residual = x.detach().to(torch.float32) - first.dequantize(torch.float32)
-    return first, quantize(residual, fmt, granularity, block_shape=block_shape)
+    return first, quantize(residual, fmt, granularity, block_shape=block_shape, batch_dims=batch_dims)
 
 
 def _q(x: torch.Tensor, fmt: str, granularity: str, block_shape) -> torch.Tensor:

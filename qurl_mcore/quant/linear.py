@@ -90,15 +90,22 @@ def quantize_weight(weight: torch.Tensor, spec: QuantLinearSpec) -> QTensor:
     return quantize(weight, spec.fmt, spec.weight_granularity, block_shape=spec.weight_block)
 
 
-def _quantize_activation(x2: torch.Tensor, spec: QuantLinearSpec, granularity: str, residual: bool):
+def _quantize_activation(x2: torch.Tensor, spec: QuantLinearSpec, granularity: str, residual: bool,
+                         batch_dims: int = 0):
     """[Q(x)] or [Q(x), Q(x - Q(x))]."""
     if residual:
-        return list(residual_quantize(x2, spec.fmt, granularity, block_shape=spec.act_block))
-    return [quantize(x2, spec.fmt, granularity, block_shape=spec.act_block)]
+        return list(residual_quantize(x2, spec.fmt, granularity, block_shape=spec.act_block, batch_dims=batch_dims))
+    return [quantize(x2, spec.fmt, granularity, block_shape=spec.act_block, batch_dims=batch_dims)]
 
 
 def _dequantized_sum(parts: list[QTensor]) -> torch.Tensor:
     return sum(p.dequantize(torch.float32) for p in parts)
+
+
+def quantize_activation(x: torch.Tensor, spec: QuantLinearSpec, batch_dims: int = 0) -> torch.Tensor:
+    """Q̃_fwd(X) as the fp32 values the forward multiplies (RC: Q(X) + Q(X − Q(X))); with `batch_dims` 1,
+    x [n, rows, in] holds n separate activations (NVFP4: a per-tensor scale each; `quantize`)."""
+    return _dequantized_sum(_quantize_activation(x, spec, spec.act_granularity, spec.rc_forward, batch_dims))
 
 
 def _forward(x2: torch.Tensor, wq: QTensor, spec: QuantLinearSpec, keep_residual: bool):

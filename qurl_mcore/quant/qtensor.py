@@ -94,14 +94,19 @@ class QTensor:
         encoding = self.spec.scale_encoding
         if encoding == "e8m0":
             return torch.exp2(self.scale.to(torch.float32) - E8M0_BIAS)
-        if encoding == "e4m3_fp32" and self.global_scale is not None:
-            return self.scale.to(torch.float32) * self.global_scale
+        if encoding == "e4m3_fp32" and self.global_scale is not None:  # one global scale per tensor of a batch
+            scale = self.scale.to(torch.float32)
+            glob = self.global_scale.reshape(-1, 1)
+            return (scale.reshape(glob.shape[0], -1) * glob).reshape(scale.shape)
         return self.scale.to(torch.float32)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x' = decode(codes) * scale, back in the original shape and dtype (or `dtype`)."""
+        """x' = decode(codes) * scale, back in the original shape and dtype (or `dtype`). The scale is taken
+        in group order, so a stack of row-grouped QTensors (`sglang.weights.stack`: [E, rows, groups, 1]
+        scales, [E, 1, 1, 1] global scales) dequantizes as one."""
         grouping = self._grouping()
-        values = grouping.group(decode(self.codes(), self.spec)) * self.scale_fp32()
+        groups = grouping.group(decode(self.codes(), self.spec))
+        values = groups * self.scale_fp32().reshape(*groups.shape[:-1], 1)
         return grouping.ungroup(values).to(dtype or self.dtype)
 
 
@@ -143,11 +148,18 @@ def _resolve_block(spec: FormatSpec, granularity: str, block_shape: tuple[int, i
 
 
 def quantize(
-    x: torch.Tensor, fmt: str, granularity: str, *, block_shape: tuple[int, int] | None = None
+    x: torch.Tensor, fmt: str, granularity: str, *, block_shape: tuple[int, int] | None = None,
+    batch_dims: int = 0,
 ) -> QTensor:
-    """Quantize `x` to format `fmt` with one scale per group of `granularity` (see the module docstring)."""
+    """Quantize `x` to format `fmt` with one scale per group of `granularity` (see the module docstring).
+    `batch_dims` 1: x[i] are separate tensors (NVFP4: one per-tensor scale each, `global_scale` [len(x)]);
+    it needs groups of one row (channel, token, 1 x n blocks), which never span two of them."""
     spec = get_format(fmt)
     block = _resolve_block(spec, granularity, block_shape)
+    if batch_dims not in (0, 1):
+        raise ValueError(f"batch_dims={batch_dims}: use 0 (one tensor) or 1 (a batch of tensors along dim 0)")
+    if batch_dims and (granularity == "tensor" or (granularity == "block" and block[0] != 1)):
+        raise ValueError(f"batch_dims=1 needs groups of one row; {granularity} {block or ''} groups span rows")
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
     if x.numel() == 0:
@@ -162,10 +174,13 @@ def quantize(
         scale_dec = torch.exp2(exponent.to(torch.float32))
         scale = (exponent + E8M0_BIAS).to(torch.uint8)
     elif spec.scale_encoding == "e4m3_fp32" and granularity == "block":
-        tensor_amax = amax.amax()
-        global_scale = torch.where(tensor_amax > 0, tensor_amax / (spec.max_value * E4M3_MAX), 1.0)
-        scale = (amax / spec.max_value / global_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-        scale_dec = scale.to(torch.float32) * global_scale
+        per_tensor = amax.reshape(x.shape[0] if batch_dims else 1, -1)
+        tensor_amax = per_tensor.amax(dim=-1, keepdim=True)
+        glob = torch.where(tensor_amax > 0, tensor_amax / (spec.max_value * E4M3_MAX), 1.0)
+        glob_groups = glob.expand_as(per_tensor).reshape(amax.shape)
+        scale = (amax / spec.max_value / glob_groups).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        scale_dec = scale.to(torch.float32) * glob_groups
+        global_scale = glob.reshape(-1) if batch_dims else glob.reshape(())
     else:
         scale = torch.where(amax > 0, amax / spec.max_value, torch.ones_like(amax))
         scale_dec = scale

@@ -1,5 +1,6 @@
 """SGLang FusedMoE method: each expert's gate/up (w13) and down (w2) projections run `qurl_mcore.quant`'s
-quantized linear, with one `quantize_weight` per expert matrix (the trainer quantizes per-expert weights)."""
+quantized linear numerics, with one `quantize_weight` per expert matrix (the trainer quantizes per-expert
+weights), all experts at once."""
 from __future__ import annotations
 
 import torch
@@ -8,28 +9,47 @@ from sglang.srt.layers.moe import MoeRunner, MoeRunnerBackend
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 from sglang.srt.utils import set_weight_attrs
 
-from qurl_mcore.quant import QTensor, QuantLinearSpec, quantize_weight, quantized_linear
+from qurl_mcore.quant import QTensor, QuantLinearSpec, quantize_activation, quantize_weight
 
 from . import kernels, weights
 from .options import QurlOptions
 
 _WEIGHTS = ("w13_weight", "w2_weight")
+#: fp32 elements of one token chunk's [experts, tokens, features] activations (256 MiB)
+_CHUNK_ELEMENTS = 1 << 26
 
 
-def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: list[QTensor],
-                    w2: list[QTensor], spec: QuantLinearSpec) -> torch.Tensor:
-    """out[t] = Σ_j p[t, j] · Q̃(silu(g) ⊙ u)·Q(W2_e)ᵀ with [g; u] = Q̃(x_t)·Q(W13_e)ᵀ and e = topk_ids[t, j]
-    (gate rows first in W13, as in the checkpoint's gate_proj/up_proj and Megatron's fc1). Tokens routed to
-    ids outside [0, E) (padding, other EP ranks) contribute nothing; the weighted sum is taken in fp32."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in torch.unique(topk_ids).tolist():
-        if not 0 <= e < len(w13):
-            continue
-        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        gate, up = quantized_linear(x[tok], w13[e], None, spec).chunk(2, dim=-1)
-        y = quantized_linear(F.silu(gate) * up, w2[e], None, spec)
-        out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
-    return out.to(x.dtype)
+def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: QTensor,
+                    w2: QTensor, spec: QuantLinearSpec) -> torch.Tensor:
+    """out[t] = Σ_j p[t, j] · Q̃(silu(g) ⊙ u)·Q(W2_e)ᵀ with [g; u] = Q̃(X_e)·Q(W13_e)ᵀ and e = topk_ids[t, j]
+    (gate rows first in W13, as in the checkpoint's gate_proj/up_proj and Megatron's fc1), for stacked
+    experts w13 [E, 2I, H] and w2 [E, H, I] (`weights.stack`). X_e holds the tokens routed to e, as the
+    trainer's expert e receives them: its per-tensor scale (NVFP4) is theirs. Tokens routed to ids outside
+    [0, E) (padding, other EP ranks) contribute nothing; the weighted sum is taken in fp32.
+
+    All experts run at once on [E, tokens, H] with the unrouted rows zero (a zero row quantizes to zero and
+    leaves every scale as it was): a few batched GEMMs with static shapes and no read-back to the host, so
+    CUDA graphs capture it and torch.compile traces it whole, at E/k times the routed FLOPs (the emulated
+    formats' price for that). Tokens go in chunks that bound the activations' memory (_CHUNK_ELEMENTS); an
+    NVFP4 scale then covers an expert's tokens of one chunk, as SGLang's chunked prefill already splits the
+    batch. Layer outputs are rounded to x's dtype as the trainer's quantized linears round theirs."""
+    experts = w13.shape[0]
+    slots = (topk_ids >= 0) & (topk_ids < experts)
+    index = torch.where(slots, topk_ids, 0).long()
+    zeros = torch.zeros(x.shape[0], experts, dtype=torch.float32, device=x.device)
+    routing = zeros.scatter_add(1, index, torch.where(slots, topk_weights.float(), 0.0))  # [T, E]
+    routed = zeros.scatter_add(1, index, slots.float()) > 0
+    w13_f, w2_f = w13.dequantize(torch.float32).transpose(1, 2), w2.dequantize(torch.float32).transpose(1, 2)
+    chunk = max(1, _CHUNK_ELEMENTS // (experts * max(w13.shape[1], w13.shape[2])))
+    out = []
+    for xs, ps, rs in zip(x.split(chunk), routing.split(chunk), routed.split(chunk)):
+        x_e = torch.where(rs.t()[:, :, None], xs, 0)  # [E, T, H]
+        h = torch.bmm(quantize_activation(x_e, spec, batch_dims=1), w13_f).to(x.dtype)
+        gate, up = h.chunk(2, dim=-1)
+        hidden = F.silu(gate) * up  # unrouted rows stay zero: silu(0) * 0
+        y = torch.bmm(quantize_activation(hidden, spec, batch_dims=1), w2_f).to(x.dtype)  # [E, T, H]
+        out.append(torch.einsum("eth,te->th", y.float(), ps))
+    return torch.cat(out).to(x.dtype)
 
 
 class QurlFusedMoEMethod(FusedMoEMethodBase):
@@ -66,18 +86,15 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         if not all(weights.is_loaded(layer, n) for n in _WEIGHTS):
             return
-        device = weights.home(layer, "w13_weight")
         for name in _WEIGHTS:
             w = getattr(layer, name).data
             fresh = [quantize_weight(weights.at_home(layer, name, w[e]), self.spec) for e in range(w.shape[0])]
-            old = getattr(layer, f"qurl_{name}", None)
-            if old is None:
-                if self._use_kernels(device):  # stacked storage for the fused kernel, experts as views of it
-                    codes, scales, fresh = weights.stack(fresh)
-                    setattr(layer, f"qurl_{name}_stacked", (codes, scales))
-                setattr(layer, f"qurl_{name}", fresh)
-            else:
-                setattr(layer, f"qurl_{name}", [weights.store(o, f) for o, f in zip(old, fresh)])
+            old = getattr(layer, f"qurl_{name}_experts", None)
+            kept = None if old is None else [weights.store(o, f) for o, f in zip(old, fresh)]
+            if kept is None or any(k is not o for k, o in zip(kept, old)):  # first load: one stacked copy
+                stacked, kept = weights.stack(fresh)
+                setattr(layer, f"qurl_{name}", stacked)
+            setattr(layer, f"qurl_{name}_experts", kept)  # views of the stack, refreshed in place
             weights.detach_master(layer, name, host=self.options.master == "host")
 
     def restore_weights_before_loading(self, layer) -> None:
@@ -89,8 +106,9 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
 
         x = dispatch_output.hidden_states
         if self._use_kernels(x.device):
-            (w13, s13), (w2, s2) = layer.qurl_w13_weight_stacked, layer.qurl_w2_weight_stacked
-            return self.runner.run(dispatch_output, kernels.moe_quant_info(self.options.fmt, w13, s13, w2, s2))
+            w13, w2 = layer.qurl_w13_weight, layer.qurl_w2_weight
+            return self.runner.run(dispatch_output, kernels.moe_quant_info(self.options.fmt, w13.data, w13.scale,
+                                                                           w2.data, w2.scale))
         config = self.moe_runner_config
         if config.apply_router_weight_on_input or config.activation != "silu" or config.gemm1_alpha is not None:
             raise NotImplementedError("qurl MoE experts support SiLU-gated experts with output-side routing weights")

@@ -82,11 +82,20 @@ def store(old: QTensor | None, new: QTensor) -> QTensor:
     return old
 
 
-def stack(experts: list[QTensor]) -> tuple[torch.Tensor, torch.Tensor, list[QTensor]]:
-    """Stacked [E, ...] codes and scales for a fused MoE kernel, and the same per-expert QTensors re-pointed at
-    views of them (one copy of the weights; refreshing the views in place refreshes the stacks)."""
+def stack(experts: list[QTensor]) -> tuple[QTensor, list[QTensor]]:
+    """One QTensor of shape [E, *expert shape] over the experts (one copy of the weights: the stacked codes
+    and scales serve a fused MoE kernel and `moe.experts_forward`), and the per-expert QTensors re-pointed at
+    views of it, so that refreshing a view in place (`store`) refreshes the stack. Needs groups of one row
+    (channel, token, or 1 x n blocks): then the experts' groups, stacked, are the stack's groups in order."""
+    first = experts[0]
+    if first.granularity == "tensor" or (first.granularity == "block" and first.block_shape[0] != 1):
+        raise ValueError(f"cannot stack {first.fmt} experts quantized per {first.granularity} "
+                         f"{first.block_shape or ''}: stacking needs groups of one row (channel, or 1 x n blocks)")
     data = torch.stack([q.data for q in experts])
     scale = torch.stack([q.scale for q in experts])
-    views = [QTensor(data[e], scale[e], q.fmt, q.granularity, q.shape, q.dtype, q.block_shape, q.global_scale)
-             for e, q in enumerate(experts)]
-    return data, scale, views
+    glob = None if first.global_scale is None else torch.stack([q.global_scale for q in experts])
+    stacked = QTensor(data, scale, first.fmt, first.granularity, torch.Size((len(experts), *first.shape)),
+                      first.dtype, first.block_shape, glob)  # glob [E]: a batch of tensors (quantize's batch_dims)
+    views = [QTensor(data[e], scale[e], q.fmt, q.granularity, q.shape, q.dtype, q.block_shape,
+                     None if glob is None else glob[e]) for e, q in enumerate(experts)]
+    return stacked, views

@@ -97,3 +97,26 @@ def test_straight_through_gradient_is_identity(fn, fmt):
     g = torch.randn(6, 64)
     fn(x, fmt, "block").backward(g)
     assert torch.equal(x.grad, g)
+
+
+@pytest.mark.parametrize("fmt,gran", [("nvfp4", "block"), ("mxfp4", "block"), ("int8", "token"),
+                                      ("fp8_e4m3", "token")])
+def test_a_batch_of_tensors_quantizes_as_each_alone(fmt, gran):
+    """batch_dims=1: x[i] are separate tensors; NVFP4 gives each its own per-tensor scale (here 1, 30 and 0.01
+    times apart, so one shared scale would change the codes), and a zero tensor stays zero."""
+    x = torch.stack([torch.randn(5, 64), 30 * torch.randn(5, 64), 0.01 * torch.randn(5, 64), torch.zeros(5, 64)])
+    batch = quantize(x, fmt, gran, batch_dims=1)
+    alone = [quantize(t, fmt, gran) for t in x]
+    assert torch.equal(batch.dequantize(), torch.stack([q.dequantize() for q in alone]))
+    if fmt == "nvfp4":
+        assert torch.equal(batch.global_scale, torch.stack([q.global_scale for q in alone]))
+        assert not torch.equal(quantize(x, fmt, gran).dequantize(), batch.dequantize())
+    assert torch.equal(batch.dequantize()[3], torch.zeros(5, 64))
+
+
+def test_a_batch_needs_groups_of_one_row():
+    for gran, block in (("tensor", None), ("block", (128, 128))):
+        with pytest.raises(ValueError, match="batch_dims=1 needs groups of one row"):
+            quantize(torch.randn(2, 128, 128), "int8", gran, block_shape=block, batch_dims=1)
+    with pytest.raises(ValueError, match="batch_dims=2"):
+        quantize(torch.randn(2, 4, 16), "nvfp4", "block", batch_dims=2)

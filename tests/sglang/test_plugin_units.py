@@ -6,7 +6,7 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from qurl_mcore.quant import make_spec, quantize_weight
+from qurl_mcore.quant import make_spec, quantize_weight, quantized_linear
 from qurl_mcore.sglang import METHODS, QurlOptions, register
 from qurl_mcore.sglang import weights
 from tests.conftest import requires_cuda
@@ -86,3 +86,59 @@ def test_a_host_master_is_written_where_it_waits_and_quantized_at_home(device):
     assert torch.equal(got.dequantize(), quantize_weight(new, spec).dequantize())
     w = layer.weight.data
     assert (weights.at_home(layer, "weight", w).data_ptr() == w.data_ptr()) == (device == "cpu")  # no copy at home
+
+
+@pytest.mark.parametrize("method,fmt", [("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"),
+                                        ("qurl_fp4", "mxfp4")])
+def test_stacked_experts_dequantize_as_each_expert_and_refresh_in_place(method, fmt):
+    from qurl_mcore.precision import rollout_spec
+
+    spec = rollout_spec(method, fmt)
+    experts = [quantize_weight(torch.randn(48, 64) * (e + 1), spec) for e in range(3)]
+    stacked, views = weights.stack(experts)
+    assert stacked.shape == (3, 48, 64)
+    assert torch.equal(stacked.dequantize(), torch.stack([q.dequantize() for q in experts]))
+    fresh = quantize_weight(torch.randn(48, 64), spec)
+    assert weights.store(views[1], fresh) is views[1]
+    assert torch.equal(stacked.dequantize()[1], fresh.dequantize())
+    with pytest.raises(ValueError, match="stacking needs groups of one row"):
+        weights.stack([quantize_weight(torch.randn(256, 256), make_spec("naive", "int8", weight_granularity="block",
+                                                                weight_block=(128, 128)))])
+
+
+def _routed_reference(x, topk_weights, topk_ids, w13, w2, spec):
+    """The MoE layer as the trainer's experts run it: expert by expert, each on the tokens routed to it (its
+    activation's NVFP4 scale is theirs), each with its own quantized linears."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in range(len(w13)):
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        if len(tok):
+            gate, up = quantized_linear(x[tok], w13[e], None, spec).chunk(2, dim=-1)
+            y = quantized_linear(torch.nn.functional.silu(gate) * up, w2[e], None, spec)
+            out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("method,fmt", [("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"),
+                                        ("qurl_fp4_rc", "nvfp4"), ("qurl_fp4_rc", "mxfp4")])
+def test_batched_experts_equal_the_routed_token_by_token_layer(method, fmt):
+    """All experts at once (static shapes, no Python loop over experts) against the experts one by one on
+    their routed tokens; ids outside [0, E) (padding, other EP ranks) add nothing. Then the same function traced
+    whole by torch.compile (fullgraph: no read-back to the host, no data-dependent shape: what a CUDA graph
+    capture needs) gives the same output."""
+    from qurl_mcore.precision import rollout_spec
+    from qurl_mcore.sglang.moe import experts_forward
+
+    spec = rollout_spec(method, fmt)
+    hidden, inter, experts, tokens = 64, 32, 4, 9
+    w13 = [quantize_weight(torch.randn(2 * inter, hidden) / 8, spec) for _ in range(experts)]
+    w2 = [quantize_weight(torch.randn(hidden, inter) / 6, spec) for _ in range(experts)]
+    x = torch.randn(tokens, hidden)
+    ids = torch.stack([torch.randperm(experts)[:2] for _ in range(tokens)]).int()
+    ids[0, 1], ids[3, 0] = -1, experts  # a padded slot, an expert of another EP rank
+    p = torch.softmax(torch.randn(tokens, 2), dim=-1)
+    (s13, _), (s2, _) = weights.stack(w13), weights.stack(w2)
+    got = experts_forward(x, p, ids, s13, s2, spec)
+    torch.testing.assert_close(got, _routed_reference(x, p, ids, w13, w2, spec), rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(experts_forward, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, p, ids, s13, s2, spec), got, rtol=0, atol=0)
