@@ -3,8 +3,9 @@ each, skipped once the time budget no longer fits them:
 
   trainer-tiny   a tiny Llama step in bf16 with Megatron's DDP and distributed optimizer at world size 1,
                  against the same step on the CPU (fp32, in a process without CUDA): loss, peak memory
-  rollout-graphs each rollout method's linear captured in a CUDA graph, replayed after new input and after an
-                 in-place refit: equal to eager (benchmarks/rollout_kernels.py, as are the next two)
+  rollout-graphs each rollout method's linear (and emulated MoE experts) captured in a CUDA graph, replayed
+                 after new input, an in-place refit, new routing: equal to eager (benchmarks/rollout_kernels.py,
+                 as are the next two)
   rollout-decode INT8/FP8 linear at decode batches 1, 16, 128 on 7B/32B projection shapes vs bf16
   rollout-requant re-quantizing Qwen2.5-7B's linears vs copying them on the device
   trainer-1b     a ~1.1B-parameter Llama step (bf16, distributed optimizer): time, tokens/s, peak memory
@@ -149,7 +150,7 @@ def main() -> None:
     def graphs():
         results = rollout_kernels.graph_replays()
         bad = [m for m, ok in results.items() if not ok]
-        return f"{len(results) - len(bad)} of {len(results)} methods replay equal to eager" + (
+        return f"{len(results) - len(bad)} of {len(results)} captures replay equal to eager" + (
             f"; DIFFER: {bad}" if bad else "")
 
     def decode():

@@ -7,7 +7,8 @@ GPU check, benchmarks/device_check.py; they run on the CPU too, where every quan
   requant   re-quantizing every quantized linear of Qwen2.5-7B (`quantize_weight`, what an engine does after a
             push) against copying the same bf16 weights on the device (what the push itself does)
   graphs    each rollout method's linear (INT8, FP8, NVFP4, MXFP4, RC of both) captured in a CUDA graph, then
-            replayed on new input and after an in-place refit (`sglang.weights.store`): equal to eager bitwise
+            replayed on new input and after an in-place refit (`sglang.weights.store`), and its emulated MoE
+            experts (`quant.experts`) on new input and routing: equal to eager bitwise
 
 Usage: python benchmarks/rollout_kernels.py [--device cpu|cuda] [--quick]
 """
@@ -74,9 +75,27 @@ def requant_ratios(device: str, shapes: list[tuple[int, int]], formats=(("qurl_i
     return base, ratios
 
 
-def graph_replays(device: str = "cuda", shape=(4096, 4096), batch: int = 16) -> dict[str, bool]:
-    """{method/format: captured replays equal eager bitwise, on new input and after an in-place refit}."""
-    from qurl_mcore.sglang.weights import store
+def _captured(fn, *static):
+    """`fn(*static)` captured in a CUDA graph (warmed up off the capture stream, as torch's recipe asks):
+    (graph, its output tensor)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*static)
+    return graph, out
+
+
+def graph_replays(device: str = "cuda", shape=(4096, 4096), batch: int = 16, experts: int = 8
+                  ) -> dict[str, bool]:
+    """{method/format (linear | experts): captured replays equal eager bitwise}: a linear on new input and
+    after an in-place refit (`sglang.weights.store`), and an MoE layer's experts (`quant.experts`, E experts
+    of [2·1024, 1024] and [1024, 1024], top-2) on new input and new routing."""
+    from qurl_mcore.quant.experts import experts_forward
+    from qurl_mcore.sglang.weights import stack, store
 
     k, n = shape
     results = {}
@@ -84,21 +103,26 @@ def graph_replays(device: str = "cuda", shape=(4096, 4096), batch: int = 16) -> 
         spec = rollout_spec(method, fmt)
         wq = quantize_weight(torch.randn(n, k, device=device, dtype=torch.bfloat16), spec)
         x = torch.randn(batch, k, device=device, dtype=torch.bfloat16)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch's graph recipe asks
-            quantized_linear(x, wq, None, spec)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = quantized_linear(x, wq, None, spec)
+        graph, y = _captured(lambda x: quantized_linear(x, wq, None, spec), x)
         x.copy_(torch.randn_like(x))
         graph.replay()
         same_input = torch.equal(y, quantized_linear(x, wq, None, spec))
         refit = store(wq, quantize_weight(torch.randn(n, k, device=device, dtype=torch.bfloat16), spec))
         graph.replay()
         same_refit = refit is wq and torch.equal(y, quantized_linear(x, wq, None, spec))
-        results[f"{method}/{fmt}"] = same_input and same_refit
+        results[f"{method}/{fmt} linear"] = same_input and same_refit
+
+        w13, _ = stack([quantize_weight(torch.randn(2048, 1024, device=device) / 32, spec) for _ in range(experts)])
+        w2, _ = stack([quantize_weight(torch.randn(1024, 1024, device=device) / 32, spec) for _ in range(experts)])
+        h = torch.randn(batch, 1024, device=device, dtype=torch.bfloat16)
+        p = torch.rand(batch, 2, device=device)
+        ids = torch.randint(0, experts, (batch, 2), device=device, dtype=torch.int32)
+        graph, out = _captured(lambda h, p, ids: experts_forward(h, p, ids, w13, w2, spec), h, p, ids)
+        h.copy_(torch.randn_like(h))
+        p.copy_(torch.rand_like(p))
+        ids.copy_(torch.randint(0, experts, ids.shape, device=device, dtype=torch.int32))
+        graph.replay()
+        results[f"{method}/{fmt} experts"] = torch.equal(out, experts_forward(h, p, ids, w13, w2, spec))
     return results
 
 

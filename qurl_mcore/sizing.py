@@ -511,7 +511,8 @@ def engine_bytes(s: Shape, cfg: Config, gpu: GPU, master: str = "host", kv_token
     kv = kv_tokens * per_token
     return {"weights": w, "master": master, "kv_bytes_per_token": per_token, "kv_tokens": kv_tokens, "kv": kv,
             "reserve": reserve, "cuda_graphs": graphs, "peak": on_device + kv + reserve,
-            "released": reserve - graphs, "mem_fraction": math.ceil(100 * (on_device + kv + graphs + GiB) / gpu.hbm) / 100,
+            "released": reserve - graphs,
+            "mem_fraction": math.ceil(100 * (on_device + kv + graphs + GiB) / gpu.hbm) / 100,
             "host_masters": w["gpu_masters"] if master == "host" else 0}
 
 
@@ -642,7 +643,8 @@ def _budget(s: Shape, cfg: Config, gpu: GPU, master: str) -> dict[str, Any]:
         gpus = {"trainer": (trainer_peak, True), "engine": (engine["peak"], kv_ok)}
     fits = {who: peak <= gpu.hbm and ok for who, (peak, ok) in gpus.items()}
     return {"trainer": trainer, "trainer_peak": trainer_peak, "engine": engine, "push": push, "beside": beside,
-            "resident": resident, "offload": offload, "gpus": {who: peak for who, (peak, _) in gpus.items()}, "fits": fits}
+            "resident": resident, "offload": offload, "gpus": {who: peak for who, (peak, _) in gpus.items()},
+            "fits": fits}
 
 
 def _override(cfg: Config, changes: dict[str, Any]) -> Config:

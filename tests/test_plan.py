@@ -212,7 +212,8 @@ def test_kv_cache_from_mem_fraction_by_hand():
 
 def test_offload_follows_the_layout_and_the_device():
     cases = {("auto", "colocated", True): True, ("auto", "colocated", False): False,
-             ("auto", "disaggregated", True): False, (True, "colocated", False): True, (False, "colocated", True): False}
+             ("auto", "disaggregated", True): False, (True, "colocated", False): True,
+             (False, "colocated", True): False}
     for (choice, layout, cuda), expected in cases.items():
         cfg = load_config(None, [f"rollout.offload={str(choice).lower()}", f"layout={layout}"])
         assert cfg.offload_rollout(cuda=cuda) is expected, (choice, layout, cuda)

@@ -84,8 +84,8 @@ def store(old: QTensor | None, new: QTensor) -> QTensor:
 
 def stack(experts: list[QTensor]) -> tuple[QTensor, list[QTensor]]:
     """One QTensor of shape [E, *expert shape] over the experts (one copy of the weights: the stacked codes
-    and scales serve a fused MoE kernel and `moe.experts_forward`), and the per-expert QTensors re-pointed at
-    views of it, so that refreshing a view in place (`store`) refreshes the stack. Needs groups of one row
+    and scales serve a fused MoE kernel and `quant.experts.experts_forward`), and the per-expert QTensors
+    re-pointed at views of it, so that refreshing a view in place (`store`) refreshes the stack. Needs groups of one row
     (channel, token, or 1 x n blocks): then the experts' groups, stacked, are the stack's groups in order."""
     first = experts[0]
     if first.granularity == "tensor" or (first.granularity == "block" and first.block_shape[0] != 1):

@@ -127,7 +127,7 @@ def test_batched_experts_equal_the_routed_token_by_token_layer(method, fmt):
     whole by torch.compile (fullgraph: no read-back to the host, no data-dependent shape: what a CUDA graph
     capture needs) gives the same output."""
     from qurl_mcore.precision import rollout_spec
-    from qurl_mcore.sglang.moe import experts_forward
+    from qurl_mcore.quant.experts import experts_forward
 
     spec = rollout_spec(method, fmt)
     hidden, inter, experts, tokens = 64, 32, 4, 9
