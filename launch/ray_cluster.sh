@@ -7,14 +7,16 @@
 #                         [--resources JSON] [--node-ip IP]
 #   ray_cluster.sh wait   --address HOST:PORT --nodes N [--timeout SECONDS]
 #   ray_cluster.sh submit --address HOST:PORT [--dashboard-port P] [--working-dir DIR] -- COMMAND...
-#   ray_cluster.sh stop
+#   ray_cluster.sh stop   [--node-ip IP]
 #   ray_cluster.sh auth-mode   (prints the RAY_AUTH_MODE every process of the cluster must share)
 #
 # head/worker block in the foreground (so srun keeps them alive) and stop Ray when they get SIGTERM.
+# `stop` stops the node that head/worker started on this host (its address: --node-ip, else the host's
+# first), not the other Ray nodes of the machine; their PIDs wait in $QURL_RAY_STATE_DIR (/tmp/qurl-ray).
 # Uses the `ray` and `python` found on PATH: activate the project's environment first.
 set -euo pipefail
 
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "ray_cluster.sh: $*" >&2; exit 1; }
 
 auth_mode() {
@@ -30,7 +32,7 @@ RAY_AUTH_MODE=$(auth_mode)
 export RAY_AUTH_MODE
 
 cmd=${1:-}; [[ -n "$cmd" ]] || usage; shift
-port=6379 dashboard_port=8265 address="" nodes="" timeout=600 working_dir=""
+port=6379 dashboard_port=8265 address="" nodes="" timeout=600 working_dir="" node_ip=""
 start_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -44,19 +46,50 @@ while [[ $# -gt 0 ]]; do
     --num-gpus) start_args+=(--num-gpus "$2"); shift 2 ;;
     --object-store-bytes) start_args+=(--object-store-memory "$2"); shift 2 ;;
     --resources) start_args+=(--resources "$2"); shift 2 ;;
-    --node-ip) start_args+=(--node-ip-address "$2"); shift 2 ;;
+    --node-ip) node_ip=$2; start_args+=(--node-ip-address "$2"); shift 2 ;;
     --) shift; break ;;
     *) die "unknown option $1 (see the usage at the top of $0)" ;;
   esac
 done
 
+state_dir=${QURL_RAY_STATE_DIR:-/tmp/qurl-ray}
+pid_file() {  # this host's Ray node: named by its address (hosts may share a machine, e.g. network namespaces)
+  local ip=${node_ip:-$(hostname -I 2>/dev/null | awk '{print $1}')}
+  echo "$state_dir/node-${ip:-$(hostname)}.pid"
+}
+
 run_blocking() {
-  # `ray start --block` exits when its processes die. On SIGTERM (Slurm ending the step) pass the signal on: it
-  # stops the processes it started and no others (`ray stop` would stop every Ray node on the machine).
+  # `ray start --block` exits when its processes die. On SIGTERM (Slurm ending the step, or `stop`) pass the
+  # signal on: it stops the processes it started and no others (`ray stop` would stop every Ray node on the
+  # machine).
+  local pid_path
+  pid_path=$(pid_file)
+  mkdir -p "$state_dir"
   ray start "$@" --block &
   ray_pid=$!
-  trap 'kill -TERM "$ray_pid" 2>/dev/null; wait "$ray_pid" || true; exit 0' TERM INT
+  echo $$ > "$pid_path"
+  trap 'kill -TERM "$ray_pid" 2>/dev/null; wait "$ray_pid" || true; rm -f "$pid_path"; exit 0' TERM INT
   wait "$ray_pid"
+  rm -f "$pid_path"
+}
+
+alive() {  # a process that ended but is not yet reaped by its parent (a zombie) counts as ended
+  local state
+  state=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
+  [[ $state != Z* ]]
+}
+
+stop_node() {
+  local pid_path pid
+  pid_path=$(pid_file)
+  [[ -s "$pid_path" ]] || die "no Ray node of this host ($pid_path is missing): head/worker did not start one here, or it ended; 'ray stop --force' stops every Ray process of the machine"
+  pid=$(<"$pid_path")
+  kill -TERM "$pid" 2>/dev/null || { rm -f "$pid_path"; die "the Ray node of $pid_path (pid $pid) had ended"; }
+  for _ in $(seq 1 120); do
+    alive "$pid" || { echo "[ray] stopped the node of $pid_path"; return 0; }
+    sleep 0.5
+  done
+  die "the Ray node of $pid_path (pid $pid) did not stop within 60 s"
 }
 
 case "$cmd" in
@@ -103,7 +136,7 @@ PY
     ray job submit --address "http://$host:$dashboard_port" "${wd[@]}" -- "$@"
     ;;
   stop)
-    ray stop --force
+    stop_node
     ;;
   auth-mode)
     echo "$RAY_AUTH_MODE"

@@ -5,10 +5,13 @@
   comm_backend   the torch.distributed backend of a device: NCCL on CUDA, gloo otherwise
   dtype_name     "bfloat16" for torch.bfloat16 (the name SGLang's update calls take)
   bind_stores_to_their_address   torch.distributed rendezvous stores listen only where they are reached
+  bind_gloo_towards  gloo connects through the interface that reaches a group's rendezvous
 """
 from __future__ import annotations
 
 import errno
+import ipaddress
+import os
 import socket
 from typing import Any, Iterable, Iterator
 
@@ -92,3 +95,25 @@ def bind_stores_to_their_address() -> None:
 
     create_store._qurl_bound = True
     rendezvous._create_c10d_store = create_store
+
+
+def bind_gloo_towards(peer: str) -> str | None:
+    """Make this process's gloo groups (torch.distributed's CPU backend, here and in the processes it starts)
+    use the network interface that routes to `peer`, a group's rendezvous address, by setting
+    GLOO_SOCKET_IFNAME. Gloo otherwise advertises the address its host name resolves to, which on many hosts
+    (Debian's 127.0.1.1, containers, network namespaces) is a loopback no other node reaches: every group
+    across nodes then fails to connect. Returns the interface; None (nothing changed) for a loopback peer or
+    when GLOO_SOCKET_IFNAME is set already."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or ipaddress.ip_address(socket.gethostbyname(peer)).is_loopback:
+        return None
+    import psutil
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer, 9))  # no packet is sent: the kernel only picks the route and its source address
+        local = probe.getsockname()[0]
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return name
+    raise RuntimeError(f"no network interface holds {local}, this host's address towards {peer}; set "
+                       "GLOO_SOCKET_IFNAME to the interface the other nodes reach this one through")

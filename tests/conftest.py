@@ -29,3 +29,22 @@ def megatron_ws1():
     init_parallel()
     yield
     destroy_parallel()
+
+
+@pytest.fixture
+def netns_nodes(tmp_path):
+    """A factory of network-namespace nodes (tests/netns.py), always taken down after the test."""
+    from tests.netns import Nodes, unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(f"nodes of our own as network namespaces: {why}")
+    made: list[Nodes] = []
+
+    def make(count: int) -> Nodes:
+        made.append(Nodes(count, tmp_path / "ray-state"))
+        return made[-1]
+
+    yield make
+    for nodes in made:
+        nodes.down()

@@ -1,6 +1,7 @@
 """The neutral tensor-moving helpers shared by megatron/ and rollout/."""
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -43,3 +44,25 @@ def test_free_port_is_bindable_and_backend_follows_the_device():
     assert comm_backend("cpu") == "gloo" and comm_backend("cuda:1") == "nccl"
     assert comm_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
     assert dtype_name(torch.bfloat16) == dtype_name("torch.bfloat16") == dtype_name("bfloat16") == "bfloat16"
+
+
+def test_gloo_binds_the_interface_towards_the_rendezvous(netns_nodes, monkeypatch):
+    """On a host whose name resolves to a loopback address (as on Debian, or in these namespace nodes), gloo
+    would advertise it to the other nodes; towards another node's address the interface that reaches it is
+    chosen; towards loopback, or when the user set one, nothing changes."""
+    import subprocess
+    import sys
+
+    from qurl_mcore.transfer import bind_gloo_towards
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert bind_gloo_towards("127.0.0.1") is None and "GLOO_SOCKET_IFNAME" not in os.environ
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")
+    assert bind_gloo_towards("10.0.0.1") is None and os.environ["GLOO_SOCKET_IFNAME"] == "mine"
+    nodes = netns_nodes(2)
+    probe = ("import os, sys; from qurl_mcore.transfer import bind_gloo_towards; "
+             "print(bind_gloo_towards(sys.argv[1]), os.environ.get('GLOO_SOCKET_IFNAME'))")
+    env = {k: v for k, v in nodes.env.items() if k != "GLOO_SOCKET_IFNAME"}
+    out = subprocess.run(nodes.command(1, sys.executable, "-c", probe, nodes.addr(2)), env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["eth0", "eth0"], out.stderr

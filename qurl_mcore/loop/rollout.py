@@ -19,6 +19,7 @@ from qurl_mcore.config import Config
 from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
 from qurl_mcore.sglang.options import QUANTIZED_LOG_ENV
 from qurl_mcore.tasks import REWARDS, Example, addition_examples, load_examples, score_all
+from qurl_mcore.transfer import bind_gloo_towards
 
 from .batch import Sample
 from .tracking import redirect_output
@@ -67,6 +68,7 @@ class EngineHost:
         self.log_file = log_file
         self.config = config
         self.host = host or ray.util.get_node_ip_address()
+        bind_gloo_towards(self.host)  # its server's broadcast group with the trainer (inherited by SGLang)
         self.startup_timeout = startup_timeout
         self.engine: HttpEngine | None = None
         self.quantized_log = ""

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from qurl_mcore.config import Config
 from qurl_mcore.models import resolve_model_path
 from qurl_mcore.rl.losses import policy_loss
+from qurl_mcore.transfer import bind_gloo_towards
 
 from . import checkpoint as ckpt
 from .batch import TrainBatch
@@ -64,6 +65,7 @@ class PolicyTrainer:
             torch.set_num_threads(t.threads)
         if master_port is not None:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        bind_gloo_towards(master_addr)  # rank 0's node: the trainer's groups and the engines' broadcast group
         init_parallel(t.tp_size, t.ep_size, pipeline_parallel=t.pp_size, seed=cfg.seed, rank=rank,
                       world_size=world_size)
         from megatron.core import parallel_state as ps

@@ -70,3 +70,25 @@ def test_usage_errors_name_the_missing_option():
 def test_wait_and_submit_need_an_address(cmd):
     out = subprocess.run(["bash", str(SCRIPT), cmd], env=_env(), capture_output=True, text=True)
     assert out.returncode != 0 and "--address" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_head_and_a_worker_on_two_nodes_and_each_stop_stops_its_own(netns_nodes, tmp_path):
+    """Two hosts (network namespaces, each its own address): the worker joins the head across the link, `wait`
+    sees both, and `stop` on a node stops that node's Ray alone (it used to be `ray stop --force`, which stops
+    every Ray process of the machine: another node sharing it, or another user's cluster)."""
+    nodes = netns_nodes(2)
+    head = nodes.start_ray({1: '{"qurl_train": 1}', 2: '{"qurl_rollout": 1}'}, tmp_path, cpus=1)
+    alive = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False); "
+             "print(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']))")
+    both = nodes.run(1, sys.executable, "-c", alive, head)
+    assert both.stdout.split("\n")[-2] == str(sorted([nodes.addr(1), nodes.addr(2)])), both.stderr[-2000:]
+    stopped = nodes.run(2, "bash", str(SCRIPT), "stop")
+    assert stopped.returncode == 0 and "stopped the node" in stopped.stdout, stopped.stderr
+    assert nodes.ray[1].wait(timeout=60) == 0
+    left = nodes.run(1, sys.executable, "-c", alive, head)
+    assert left.stdout.split("\n")[-2] == str([nodes.addr(1)]), left.stderr[-2000:]
+    again = nodes.run(2, "bash", str(SCRIPT), "stop")
+    assert again.returncode != 0 and "no Ray node of this host" in again.stderr
+    assert nodes.run(1, "bash", str(SCRIPT), "stop").returncode == 0
+    assert nodes.ray[0].wait(timeout=60) == 0

@@ -1,0 +1,76 @@
+"""Nodes of our own for tests that cross a node boundary: network namespaces made by launch/netns_cluster.sh,
+each with its own address on a private bridge, and a Ray cluster across them (launch/ray_cluster.sh)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NETNS = ROOT / "launch" / "netns_cluster.sh"
+RAY_CLUSTER = ROOT / "launch" / "ray_cluster.sh"
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot make namespace nodes, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2's ip is not installed"
+    return None
+
+
+class Nodes:
+    """`count` namespace nodes, names and a /24 of their own per process (tests may run side by side)."""
+
+    def __init__(self, count: int, state_dir: Path):
+        tag = os.getpid() % 200
+        self.env = {**os.environ, "QURL_NETNS_PREFIX": f"qt{os.getpid() % 100000}",
+                    "QURL_NETNS_SUBNET": f"10.231.{tag + 20}", "QURL_RAY_STATE_DIR": str(state_dir),
+                    "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled"}
+        for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            self.env.pop(key, None)
+        self.count = count
+        self.ray: list[subprocess.Popen] = []
+        out = subprocess.run(["bash", str(NETNS), "up", str(count)], env=self.env, capture_output=True, text=True)
+        if out.returncode:
+            self.down()
+            raise RuntimeError(f"netns_cluster.sh up {count} failed: {out.stderr}")
+
+    def addr(self, k: int) -> str:
+        return f"{self.env['QURL_NETNS_SUBNET']}.{k}"
+
+    def command(self, k: int, *argv: str) -> list[str]:
+        return ["bash", str(NETNS), "exec", str(k), *argv]
+
+    def run(self, k: int, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(k, *argv), env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def start_ray(self, resources: dict[int, str], log_dir: Path, cpus: int = 2, port: int = 6379) -> str:
+        """A Ray head on node 1 and a worker on every other node of `resources` (node -> custom resources JSON),
+        each in the background through ray_cluster.sh; returns the head's address once all have joined."""
+        head = f"{self.addr(1)}:{port}"
+        for k, res in sorted(resources.items()):
+            role = ["head", "--port", str(port), "--node-ip", self.addr(1)] if k == 1 else [
+                "worker", "--address", head]
+            self.ray.append(subprocess.Popen(
+                self.command(k, "bash", str(RAY_CLUSTER), *role, "--num-cpus", str(cpus),
+                             "--object-store-bytes", str(200 << 20), "--resources", res),
+                env=self.env, stdout=open(log_dir / f"ray-node{k}.log", "w"), stderr=subprocess.STDOUT))
+        ready = self.run(1, "bash", str(RAY_CLUSTER), "wait", "--address", head, "--nodes", str(len(resources)),
+                         "--timeout", "120", timeout=180)
+        if ready.returncode:
+            logs = "".join((log_dir / f"ray-node{k}.log").read_text()[-2000:] for k in resources)
+            raise RuntimeError(f"the Ray cluster across the nodes did not come up: {ready.stderr}\n{logs}")
+        return head
+
+    def down(self) -> None:
+        """Kill everything in the nodes (Ray included) and delete them."""
+        subprocess.run(["bash", str(NETNS), "down"], env=self.env, capture_output=True, timeout=120)
+        for process in self.ray:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
