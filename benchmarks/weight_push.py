@@ -5,7 +5,7 @@ A push is the whole update session: begin_weight_update (quantized layers re-att
 weights), update_weights_from_tensor of every checkpoint tensor in 512 MiB buckets, end_weight_update
 (re-quantization with qurl_mcore.quant), and the weight-version check.
 
-Usage: python benchmarks/weight_push.py [--repeats 3] [--device cpu]
+Usage: python benchmarks/weight_push.py [--repeats 3] [--device cpu] [--methods qurl_int8 qurl_fp8 ...]
 """
 from __future__ import annotations
 
@@ -42,9 +42,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--methods", nargs="*", help="qurl methods to compare with bf16 (default: all)")
     args = parser.parse_args()
     rows = []
     for method, options in METHODS:
+        if method is not None and args.methods and method not in args.methods:
+            continue
         rows.append((method or "bf16", options.get("fmt", ""), push_seconds(method, options, args.device, args.repeats)))
     base = rows[0][2]
     print(f"{'method':12s} {'fmt':6s} {'push s':>8s} {'/ bf16':>7s}")

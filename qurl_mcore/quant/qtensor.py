@@ -164,10 +164,13 @@ def quantize(
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
     if x.numel() == 0:
         raise ValueError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
-    check_finite(x)
     grouping = _Grouping(x.shape, granularity, block)
-    g = grouping.group(x.detach().to(torch.float32))
-    amax = g.abs().amax(dim=-1, keepdim=True)
+    # x stays in its dtype until the division below promotes it to fp32 (the same values, one pass fewer); a
+    # NaN or inf anywhere shows in its group's amax, so the finiteness check reads the amax, not all of x
+    g = grouping.group(x.detach())
+    amax = torch.maximum(g.amax(dim=-1, keepdim=True), g.amin(dim=-1, keepdim=True).neg()).to(torch.float32)
+    if not _in_graph(x) and not bool(torch.isfinite(amax).all()):
+        check_finite(x)
     global_scale = None
     if spec.scale_encoding == "e8m0":
         exponent = e8m0_exponent(amax)
@@ -184,8 +187,12 @@ def quantize(
     else:
         scale = torch.where(amax > 0, amax / spec.max_value, torch.ones_like(amax))
         scale_dec = scale
-    # A block scale that underflowed to zero (a tiny NVFP4 block next to a huge one) encodes zeros.
-    scaled = torch.where(scale_dec > 0, g / torch.where(scale_dec > 0, scale_dec, 1.0), 0.0)
+    positive = scale_dec > 0
+    scaled = torch.div(g, torch.where(positive, scale_dec, 1.0))
+    # An NVFP4 block scale that underflowed (a tiny block next to a huge one) encodes zeros. Elsewhere a zero
+    # scale means amax / max_fmt underflowed: the group's values, divided by 1, round to zero by themselves.
+    if global_scale is not None:
+        scaled.masked_fill_(~positive, 0.0)
     codes = grouping.ungroup(encode(scaled, spec))  # storage drops the padding of partial blocks
     data = pack_fp4(codes.reshape(-1) if codes.dim() == 0 else codes) if spec.is_fp4 else codes
     return QTensor(data, scale, fmt, granularity, x.shape, x.dtype, block, global_scale)

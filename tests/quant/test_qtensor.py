@@ -120,3 +120,15 @@ def test_a_batch_needs_groups_of_one_row():
             quantize(torch.randn(2, 128, 128), "int8", gran, block_shape=block, batch_dims=1)
     with pytest.raises(ValueError, match="batch_dims=2"):
         quantize(torch.randn(2, 4, 16), "nvfp4", "block", batch_dims=2)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_a_row_whose_scale_underflows_encodes_zeros(fmt):
+    """amax / max_fmt below fp32's smallest subnormal gives a zero scale: the row's codes and values are zero
+    (no NaN from 0/0), and the other rows are untouched."""
+    x = torch.tensor([[1e-44, -1e-44, 0.0, 0.0], [1.0, -2.0, 3.0, 0.5]])
+    q = quantize(x, fmt, "channel")
+    assert float(q.scale[0]) == 0.0
+    assert torch.equal(q.codes()[0].to(torch.float32), torch.zeros(4))
+    assert torch.equal(q.dequantize()[0], torch.zeros(4))
+    assert torch.equal(q.dequantize()[1:], quantize(x[1:], fmt, "channel").dequantize())
