@@ -52,6 +52,7 @@ class RolloutConfig:
     mem_fraction: float = 0.0  # of each GPU, SGLang's weights + KV cache (mem_fraction_static); 0: SGLang's default
     offload: Literal["auto", True, False] = "auto"  # engines release their GPU memory while the trainer steps
     push_bucket_mb: int = 512  # bound on one weight-push bucket
+    broadcast_timeout_s: float = 120.0  # disaggregated: a broadcast waits this long for a stalled peer, then fails
     restart_attempts: int = 2  # per step: restart a crashed engine (with the latest weights) and retry
 
 
@@ -180,6 +181,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
     "rollout.top_k": (lambda v: v == -1 or v > 0, "must be -1 (off) or a positive count"),
     "rollout.mem_fraction": (lambda v: 0 <= v < 1, "must be in [0, 1) (0: SGLang's default)"),
+    "rollout.broadcast_timeout_s": (lambda v: v > 0, "must be > 0 seconds"),
 }
 
 

@@ -65,7 +65,6 @@ def advantages(cfg: Config, samples: list[Sample]) -> tuple[list[Sample], torch.
 
 
 DRIVER_FILE = "driver.pt"  # the driver's part of a checkpoint: its random generators
-BROADCAST_TIMEOUT_S = 600.0  # how long a broadcast waits for a stalled peer before failing the push
 
 
 def _reason(err: BaseException) -> str:
@@ -145,7 +144,7 @@ class Loop:
             backend = "nccl" if self.ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
             self.groups_opened += 1
             where = self.trainers_do("open_weight_group", f"qurl-weights-{self.groups_opened}", backend,
-                                     BROADCAST_TIMEOUT_S)[0]
+                                     self.cfg.rollout.broadcast_timeout_s)[0]
             say(f"weights go to the engines by {backend} broadcast (group at {where})")
 
     def check_symmetry(self) -> None:
