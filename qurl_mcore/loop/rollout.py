@@ -33,6 +33,12 @@ def engine_quantization(cfg: Config) -> tuple[str | None, dict[str, Any]]:
     return precision.rollout, {"fmt": fmt, "scope": scope}
 
 
+def new_api_key() -> str:
+    """A fresh engine key: 256 random bits in hex (a URL-safe key may begin with '-', which SGLang's argument
+    parser takes for an option)."""
+    return secrets.token_hex(32)
+
+
 def engine_config(cfg: Config, model_path: str, device: str) -> EngineConfig:
     method, options = engine_quantization(cfg)
     extra: dict[str, Any] = {"tp_size": cfg.rollout.tp_size} if cfg.rollout.tp_size > 1 else {}
@@ -80,7 +86,7 @@ class EngineHost:
         os.close(fd)
         # a fresh key per server: only the trainer ranks that push to it learn it (endpoint(), through Ray)
         self.engine = HttpEngine.launch(self.config, host=self.host, startup_timeout=self.startup_timeout,
-                                        api_key=secrets.token_urlsafe(32), env={QUANTIZED_LOG_ENV: self.quantized_log},
+                                        api_key=new_api_key(), env={QUANTIZED_LOG_ENV: self.quantized_log},
                                         log_path=self.log_file)
         return self.endpoint()
 

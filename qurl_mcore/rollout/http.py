@@ -45,6 +45,9 @@ class HttpEngine(RolloutEngine):
 
         `api_key` reaches the server in a YAML file only its owner can read (never on the command line,
         where every user of the machine sees it), removed once the server has read it."""
+        if api_key and api_key.startswith("-"):  # SGLang turns the file into command-line arguments
+            raise ValueError("api_key must not begin with '-': SGLang's argument parser would take it for an "
+                             "option and the server would not start; use e.g. secrets.token_hex(32)")
         port = port or free_port(host)
         if log_path:
             log = open(log_path, "a")

@@ -41,3 +41,17 @@ def test_parse_response_with_prompt_logprobs_and_routed_experts():
     assert g.output_ids == [7, 8] and g.output_logprobs == [-0.25, -0.5] and g.prompt_logprobs == [-1.5]
     assert g.weight_version == "v3" and g.routed_experts.shape == (3, 2, 2)
     assert g.routed_experts[2, 1, 0] == routed.reshape(3, 2, 2)[2, 1, 0]
+
+
+def test_an_api_key_that_reads_as_an_option_is_refused_before_a_server_starts():
+    """SGLang reads the key file as command-line arguments: a key beginning with '-' would be taken for an
+    option (the server then exits with a usage error; one in 64 URL-safe keys did). The loop's keys are hex."""
+    import string
+
+    from qurl_mcore.loop.rollout import new_api_key
+    from qurl_mcore.rollout.http import HttpEngine
+
+    with pytest.raises(ValueError, match="must not begin with '-'"):
+        HttpEngine.launch(EngineConfig("/nonexistent"), api_key="-3xYz")
+    keys = {new_api_key() for _ in range(1000)}
+    assert len(keys) == 1000 and all(len(k) == 64 and set(k) <= set(string.hexdigits) for k in keys)
