@@ -80,6 +80,11 @@ class QTensor:
     def spec(self) -> FormatSpec:
         return get_format(self.fmt)
 
+    @property
+    def row_grouped(self) -> bool:
+        """Whether every group lies within one row (`row_grouped`)."""
+        return row_grouped(self.granularity, self.block_shape)
+
     def _grouping(self) -> _Grouping:
         return _Grouping(self.shape, self.granularity, self.block_shape)
 
@@ -103,11 +108,17 @@ class QTensor:
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """x' = decode(codes) * scale, back in the original shape and dtype (or `dtype`). The scale is taken
         in group order, so a stack of row-grouped QTensors (`sglang.weights.stack`: [E, rows, groups, 1]
-        scales, [E, 1, 1, 1] global scales) dequantizes as one."""
+        scales, [E] global scales) dequantizes as one."""
         grouping = self._grouping()
         groups = grouping.group(decode(self.codes(), self.spec))
         values = groups * self.scale_fp32().reshape(*groups.shape[:-1], 1)
         return grouping.ungroup(values).to(dtype or self.dtype)
+
+
+def row_grouped(granularity: str, block_shape: tuple[int, int] | None) -> bool:
+    """Whether groups of `granularity` lie within one row (channel, token, 1 x n blocks): then rows, or
+    tensors stacked along dim 0, quantize independently of each other."""
+    return granularity != "tensor" and (granularity != "block" or block_shape[0] == 1)
 
 
 def _in_graph(x: torch.Tensor) -> bool:
@@ -158,7 +169,7 @@ def quantize(
     block = _resolve_block(spec, granularity, block_shape)
     if batch_dims not in (0, 1):
         raise ValueError(f"batch_dims={batch_dims}: use 0 (one tensor) or 1 (a batch of tensors along dim 0)")
-    if batch_dims and (granularity == "tensor" or (granularity == "block" and block[0] != 1)):
+    if batch_dims and not row_grouped(granularity, block):
         raise ValueError(f"batch_dims=1 needs groups of one row; {granularity} {block or ''} groups span rows")
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")

@@ -85,10 +85,10 @@ def store(old: QTensor | None, new: QTensor) -> QTensor:
 def stack(experts: list[QTensor]) -> tuple[QTensor, list[QTensor]]:
     """One QTensor of shape [E, *expert shape] over the experts (one copy of the weights: the stacked codes
     and scales serve a fused MoE kernel and `quant.experts.experts_forward`), and the per-expert QTensors
-    re-pointed at views of it, so that refreshing a view in place (`store`) refreshes the stack. Needs groups of one row
-    (channel, token, or 1 x n blocks): then the experts' groups, stacked, are the stack's groups in order."""
+    re-pointed at views of it, so that refreshing a view in place (`store`) refreshes the stack. Needs groups
+    of one row (`QTensor.row_grouped`): then the experts' groups, stacked, are the stack's groups in order."""
     first = experts[0]
-    if first.granularity == "tensor" or (first.granularity == "block" and first.block_shape[0] != 1):
+    if not first.row_grouped:
         raise ValueError(f"cannot stack {first.fmt} experts quantized per {first.granularity} "
                          f"{first.block_shape or ''}: stacking needs groups of one row (channel, or 1 x n blocks)")
     data = torch.stack([q.data for q in experts])
