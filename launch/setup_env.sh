@@ -12,7 +12,7 @@ want_test=0
 [[ "${1:-}" == "--with-test" ]] && want_test=1
 
 reqs=("$ROOT"/requirements/{cpu,models,sglang-cpu,sglang-nodeps}.txt "$ROOT/setup.py" "$0")
-(( want_test )) && reqs+=("$ROOT/requirements/test.txt")
+(( want_test )) && reqs+=("$ROOT"/requirements/{test,verl-nodeps}.txt)
 stamp_value=$(cat "${reqs[@]}" | sha256sum | cut -d' ' -f1)
 stamp_file="$VENV/.qurl-stamp-$want_test"
 
@@ -45,7 +45,10 @@ pip_install --no-deps -r "$ROOT/requirements/sglang-nodeps.txt"
 # CPU-only shims for SGLang (patches/cpu/README.md), active in every interpreter of this venv.
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 printf '%s\nimport tv_cpu_shim\n' "$ROOT/patches/cpu/site" > "$site/qurl_cpu_shims.pth"
-if (( want_test )); then pip_install -r "$ROOT/requirements/test.txt"; fi
+if (( want_test )); then
+  pip_install -r "$ROOT/requirements/test.txt"
+  pip_install --no-deps -r "$ROOT/requirements/verl-nodeps.txt"  # verl's pins would move transformers (the file says)
+fi
 PYTHONWARNINGS=ignore pip_install --no-deps -e "$ROOT"  # setuptools warns about editable installs in general
 # -W ignore: megatron-core and SGLang warn on import about optional GPU packages (TE, Apex, kernels) a CPU
 # environment does not have; the setup summary is the [setup] lines.

@@ -29,21 +29,12 @@ import torch.distributed as dist
 
 from qurl_mcore.config import Config
 from qurl_mcore.models import resolve_model_path
-from qurl_mcore.rl.losses import policy_loss
+from qurl_mcore.rl.losses import aggregation_units, policy_loss
 from qurl_mcore.transfer import bind_gloo_towards
 
 from . import checkpoint as ckpt
 from .batch import TrainBatch
 from .tracking import redirect_output
-
-def _units(mask: torch.Tensor, agg: str) -> int:
-    """What the `agg` reduction of a micro-batch averages over: response tokens, non-empty sequences, rows."""
-    if agg == "token_mean":
-        return int(mask.sum())
-    if agg == "seq_mean_token_mean":
-        return int((mask.sum(dim=-1) > 0).sum())
-    return int(mask.shape[0])
-
 
 class PolicyTrainer:
     """One rank of the actor: a Megatron GPTModel on the rank's device (the trainer side of the configured
@@ -150,7 +141,7 @@ class PolicyTrainer:
                                                   return_entropy=t.entropy_coef > 0)
             proximal = lp.detach() if prox is None else prox.to(lp.device)
             reference = None if ref is None else ref.to(lp.device)
-            units = _units(mb.response_mask, t.agg)
+            units = aggregation_units(mb.response_mask, t.agg)
             units_t = torch.tensor(units, dtype=torch.int, device=lp.device)
             if not all(bool(torch.isfinite(x[mb.response_mask]).all())
                        for x in (lp, mb.behav_logprobs) + (() if reference is None else (reference,))):

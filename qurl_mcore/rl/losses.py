@@ -43,6 +43,16 @@ def aggregate(values: Tensor, mask: Tensor, agg: str = "token_mean") -> Tensor:
     return (sums[nonempty] / counts[nonempty]).mean()
 
 
+def aggregation_units(mask: Tensor, agg: str) -> int:
+    """What `aggregate(·, mask, agg)` divides by: response tokens, non-empty sequences, or sequences. A loss
+    times its units is a sum, so micro-batches add up to the loss of their whole batch."""
+    if agg == "token_mean":
+        return int(mask.sum())
+    if agg == "seq_mean_token_mean":
+        return int((mask.sum(dim=-1) > 0).sum())
+    return int(mask.shape[0])
+
+
 def policy_loss(
     logprobs: Tensor,
     prox_logprobs: Tensor,
