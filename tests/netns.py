@@ -53,18 +53,41 @@ class Nodes:
         each in the background through ray_cluster.sh; returns the head's address once all have joined."""
         head = f"{self.addr(1)}:{port}"
         for k, res in sorted(resources.items()):
-            role = ["head", "--port", str(port), "--node-ip", self.addr(1)] if k == 1 else [
-                "worker", "--address", head]
-            self.ray.append(subprocess.Popen(
-                self.command(k, "bash", str(RAY_CLUSTER), *role, "--num-cpus", str(cpus),
-                             "--object-store-bytes", str(200 << 20), "--resources", res),
-                env=self.env, stdout=open(log_dir / f"ray-node{k}.log", "w"), stderr=subprocess.STDOUT))
-        ready = self.run(1, "bash", str(RAY_CLUSTER), "wait", "--address", head, "--nodes", str(len(resources)),
+            self.start_ray_node(k, res, head, log_dir, cpus)
+        self.wait_for_ray(head, len(resources), log_dir)
+        return head
+
+    def start_ray_node(self, k: int, resources: str, head: str, log_dir: Path, cpus: int = 2) -> None:
+        """Node k's Ray process in the background: the head at `head` on node 1, a worker joining it elsewhere
+        (again, after `kill`); its output goes to the end of log_dir/ray-node<k>.log."""
+        role = ["head", "--port", head.rsplit(":", 1)[1], "--node-ip", self.addr(1)] if k == 1 else [
+            "worker", "--address", head]
+        self.ray.append(subprocess.Popen(
+            self.command(k, "bash", str(RAY_CLUSTER), *role, "--num-cpus", str(cpus),
+                         "--object-store-bytes", str(200 << 20), "--resources", resources),
+            env=self.env, stdout=open(log_dir / f"ray-node{k}.log", "a"), stderr=subprocess.STDOUT))
+
+    def wait_for_ray(self, head: str, count: int, log_dir: Path) -> None:
+        """Until `count` Ray nodes are alive in the cluster of `head` (at most 120 s)."""
+        ready = self.run(1, "bash", str(RAY_CLUSTER), "wait", "--address", head, "--nodes", str(count),
                          "--timeout", "120", timeout=180)
         if ready.returncode:
-            logs = "".join((log_dir / f"ray-node{k}.log").read_text()[-2000:] for k in resources)
+            logs = "".join(p.read_text()[-2000:] for p in sorted(log_dir.glob("ray-node*.log")))
             raise RuntimeError(f"the Ray cluster across the nodes did not come up: {ready.stderr}\n{logs}")
-        return head
+
+    def link(self, k: int, state: str) -> None:
+        """Node k's link to the others "up" or "down" (packets dropped silently, nothing is reset)."""
+        subprocess.run(["bash", str(NETNS), "link", str(k), state], env=self.env, check=True, timeout=30)
+
+    def sent_to(self, k: int) -> Path:
+        """The file that counts the bytes sent to node k over its link (read it as often as needed)."""
+        name = subprocess.run(["bash", str(NETNS), "link", str(k)], env=self.env, capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+        return Path(f"/sys/class/net/{name}/statistics/tx_bytes")
+
+    def kill(self, k: int) -> None:
+        """Kill every process on node k (its Ray processes and the servers they started): the node crashed."""
+        subprocess.run(["bash", str(NETNS), "kill", str(k)], env=self.env, check=True, timeout=30)
 
     def down(self) -> None:
         """Kill everything in the nodes (Ray included) and delete them."""

@@ -139,7 +139,9 @@ class Loop:
     def connect(self) -> None:
         """Give the trainer ranks the engines' endpoints; in the disaggregated layout rank 0 then opens a
         weight group with every engine's TP ranks (NCCL on GPUs, gloo on CPUs), hosted on its node."""
-        self.trainers_do("connect_engines", self.manager_do("endpoints"))
+        endpoints = self.manager_do("endpoints")
+        self.engine_urls = [url for url, _ in endpoints]  # a failure names the engine's node by them
+        self.trainers_do("connect_engines", endpoints)
         if self.cfg.layout == "disaggregated":
             backend = "nccl" if self.ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
             self.groups_opened += 1
@@ -188,7 +190,7 @@ class Loop:
                 say(f"{failure}; restarting it ({attempt + 1}/{attempts})")
                 self.engine_restarts += 1
                 try:
-                    self.manager_do("restart", failure.index)
+                    self.restart_engine(failure.index)
                     if self.cfg.layout == "disaggregated":  # the new engine joins a new group with the others
                         self.trainers_do("close_weight_group")
                         self.connect()
@@ -200,6 +202,29 @@ class Loop:
                     say(f"restarting engine {failure.index} failed: {again}")
                 self.write_pids()
         raise AssertionError("unreachable")
+
+    def restart_engine(self, index: int) -> None:
+        """Restart engine `index` on its node. While Ray cannot reach the node (the engine's host actor
+        "unavailable": a link down, a node not yet declared dead) this waits, until the host answers or Ray
+        declares it dead. An engine whose host actor died, with its node's Ray processes or the node itself,
+        cannot be restarted: RunFailure naming the engine and the node."""
+        from urllib.parse import urlsplit
+
+        errors = self.ray.exceptions
+        while True:
+            try:
+                self.ray.get(self.hosts[index].pid.remote())
+                break
+            except errors.ActorUnavailableError:  # Ray has not decided yet: ask again
+                time.sleep(1.0)
+            except errors.RayActorError as err:
+                url = self.engine_urls[index] if index < len(self.engine_urls) else ""
+                raise RunFailure(f"rollout engine {index} is gone with its host on node "
+                                 f"{urlsplit(url).hostname or '?'}: {_reason(err)}; bring the node back into the "
+                                 "Ray cluster (launch/ray_cluster.sh worker) before resuming") from None
+            except Exception:  # noqa: BLE001 - the host answered, with an error of its engine's: it is there
+                break
+        self.manager_do("restart", index)
 
     def push_all(self, version: str) -> float:
         """Every engine gets the trainer's weights as `version` (restarting failed ones); returns the seconds.

@@ -12,15 +12,21 @@ of the sending process while it broadcasts (the engines are HTTP or in-process c
 `broadcast_weights` holds one bucket at a time: it takes a bucket from its iterable (e.g. the trainer's
 `export_hf_weights`, which gathers it just then), checks its spec with every engine (`check_specs`: a bad
 spec stops the push before anything of that bucket moves), hands the spec to every engine's receiving
-session and broadcasts it. An engine that fails is named (`WeightPushError.engine`); an engine that had
-loaded earlier buckets is tagged `incomplete:<version>` (as after any failed push). After a failure the two
-sides may disagree on what has been sent: leave and re-create the group.
+session and broadcasts it. An engine that fails is named (`WeightPushError.engine`, and its URL in the
+message); an engine that had loaded earlier buckets is tagged `incomplete:<version>` (as after any failed
+push). After a failure the two sides may disagree on what has been sent: leave and re-create the group.
+
+The group's timeout T bounds a stall on both sides: the sender's collectives fail after T (gloo/NCCL), and
+once the sender is done (or failed) an engine whose call has not answered within T of its last progress
+(taking the next bucket) is named as stalled, e.g. behind a link that went down: its thread is left to end
+on its own, its HTTP call being bound only by the client's much longer timeout.
 """
 from __future__ import annotations
 
 import datetime
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -35,8 +41,9 @@ DEFAULT_GROUP = "qurl-weights"
 class WeightSender:
     """Rank 0 of a weight group: broadcasts buckets of (HF name, tensor) to every engine rank."""
 
-    def __init__(self, group, group_name: str, backend: str, world_size: int):
+    def __init__(self, group, group_name: str, backend: str, world_size: int, timeout: float = 1800.0):
         self.group, self.group_name, self.backend, self.world_size = group, group_name, backend, world_size
+        self.timeout = timeout  # seconds a peer may stall a collective or a push before it fails
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     @classmethod
@@ -51,7 +58,7 @@ class WeightSender:
         group = init_custom_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
                                           world_size=world_size, rank=0, group_name=group_name,
                                           timeout=datetime.timedelta(seconds=timeout))
-        return cls(group, group_name, backend, world_size)
+        return cls(group, group_name, backend, world_size, timeout)
 
     def send(self, bucket: Iterable[NamedTensor]) -> None:
         """Broadcast every tensor of one bucket, in order."""
@@ -65,13 +72,21 @@ class WeightSender:
             self.group = None
 
 
-def _together(main: Callable[[], Any], others: Sequence[Callable[[], Any]],
-              errors: list[BaseException | None] | None = None) -> Any:
+def _peer(index: int, engine: RolloutEngine) -> str:
+    """How errors name engine `index` of a push: with its URL when it has one (an HTTP server)."""
+    url = getattr(engine, "url", None)
+    return f"engine {index} at {url}" if url else f"engine {index}"
+
+
+def _together(main: Callable[[], Any], others: Sequence[Callable[[], Any]], peers: Sequence[str], timeout: float,
+              errors: list[BaseException | None] | None = None, since: list[float] | None = None) -> Any:
     """Run `main` here and each of `others` in a thread (the exception of `others[i]` lands in `errors[i]`
-    as it happens); join all and raise the first error of the others as WeightPushError naming engine i,
-    else main's error."""
+    as it happens; `since[i]`, the time.monotonic() of its last progress, it may move on). Once main has
+    ended, `others[i]` has until since[i] + timeout to end. Raise the first error of the others, or the
+    stall of one still running then, as WeightPushError naming `peers[i]`; else main's error."""
     errors = [None] * len(others) if errors is None else errors
     errors[:] = [None] * len(others)
+    since = [time.monotonic()] * len(others) if since is None else since
 
     def run(i: int, fn: Callable[[], Any]) -> None:
         try:
@@ -88,11 +103,17 @@ def _together(main: Callable[[], Any], others: Sequence[Callable[[], Any]],
         result = main()
     except BaseException as e:  # noqa: BLE001 -- raised below, after the joins
         main_error = e
-    for t in threads:
-        t.join()
-    for i, e in enumerate(errors):
+    for i, t in enumerate(threads):
+        while t.is_alive() and (left := since[i] + timeout - time.monotonic()) > 0:
+            t.join(left)
+        e = errors[i]
+        if t.is_alive():  # a daemon thread: it ends when its call does, and nothing waits for it
+            sender = f"; the sender: {type(main_error).__name__}: {main_error}" if main_error else ""
+            raise WeightPushError(f"{peers[i]}: no answer for {timeout:g} s (the broadcast timeout, "
+                                  f"rollout.broadcast_timeout_s): it stalled or the link to it is down{sender}"[:2000],
+                                  engine=i) from main_error
         if e is not None and e is not main_error:  # an engine's own failure, not main's handed on to it
-            raise WeightPushError(f"engine {i}: {type(e).__name__}: {e}", engine=i) from e
+            raise WeightPushError(f"{peers[i]}: {type(e).__name__}: {e}", engine=i) from e
     if main_error is not None:
         raise main_error
     return result
@@ -108,7 +129,8 @@ def open_weight_group(engines: Sequence[RolloutEngine], master_addr: str, master
     joins = [lambda e=e, o=o: e.join_weight_group(master_addr, master_port, o, world_size, group_name, backend)
              for e, o in zip(engines, offsets)]
     return _together(lambda: WeightSender.connect(world_size, master_addr, master_port, group_name, backend,
-                                                  timeout), joins)
+                                                  timeout), joins, [_peer(i, e) for i, e in enumerate(engines)],
+                     timeout)
 
 
 def broadcast_weights(sender: WeightSender, engines: Sequence[RolloutEngine],
@@ -118,12 +140,15 @@ def broadcast_weights(sender: WeightSender, engines: Sequence[RolloutEngine],
     Returns the number of buckets."""
     feeds: list[queue.Queue] = [queue.Queue() for _ in engines]
     failed: list[BaseException | None] = []
+    since = [time.monotonic()] * len(engines)  # engine i's last progress: it took a bucket (or the end)
 
-    def specs_from(feed: queue.Queue) -> Iterator[BucketSpec]:
-        while (item := feed.get()) is not None:
+    def specs_from(i: int) -> Iterator[BucketSpec]:
+        while (item := feeds[i].get()) is not None:
+            since[i] = time.monotonic()
             if isinstance(item, BaseException):
                 raise item
             yield item
+        since[i] = time.monotonic()
 
     def post(item) -> None:
         for feed in feeds:
@@ -150,8 +175,9 @@ def broadcast_weights(sender: WeightSender, engines: Sequence[RolloutEngine],
         post(None)
         return count
 
-    return _together(stream, [lambda e=e, f=f: e.receive_weights(specs_from(f), version, sender.group_name)
-                              for e, f in zip(engines, feeds)], failed)
+    return _together(stream, [lambda e=e, i=i: e.receive_weights(specs_from(i), version, sender.group_name)
+                              for i, e in enumerate(engines)], [_peer(i, e) for i, e in enumerate(engines)],
+                     sender.timeout, failed, since)
 
 
 def close_weight_group(sender: WeightSender, engines: Sequence[RolloutEngine]) -> None:
