@@ -1,7 +1,10 @@
 """Train-vs-rollout alignment of an MoE per precision: MoEResQ's Table 2 at small scale (docs/align.md).
 
-For each precision (a row of `qurl_mcore.precision.PRECISIONS`; by default `ALIGNMENT_ROWS`, the table's
-rows in MoEResQ's order: bf16, fp4, fp4_rc_rollout, fp4_rc_train, fp4_rc) the rollout side (a real SGLang
+For each row, a precision of `qurl_mcore.precision.PRECISIONS` (by default `ROWS`: `ALIGNMENT_ROWS`, the
+table's rows in MoEResQ's order: bf16, fp4, fp4_rc_rollout, fp4_rc_train, fp4_rc (RC on both sides), then
+fp4+r3 and fp4_rc+r3: a precision with "+r3" scores the same rollouts with the trainer's routers replaying the
+engine's experts, `qurl_mcore.megatron.replay`, which makes the top-k match 1 but not the log-probs) the rollout
+side (a real SGLang
 engine, `qurl_mcore.rollout.LocalEngine`, running the precision's method) samples a response to a few fixed
 prompts, and the training side (a real Megatron GPTModel, `qurl_mcore.megatron`, built with the precision's
 trainer side) scores exactly those sequences teacher-forced. Both load the same BF16 HF checkpoint and
@@ -59,17 +62,26 @@ PROMPTS = (
 )
 #: the metric keys of a row, in table order
 METRICS = ("pcc", "topk_match_frac", "topk_overlap_mean", "mean_abs_logprob_diff")
+#: a row name's suffix for rollout routing replay in the trainer (R3)
+REPLAY = "+r3"
+#: the default rows: MoEResQ's five, then naive FP4 and symmetric RC with routing replay
+ROWS = (*ALIGNMENT_ROWS, "fp4" + REPLAY, "fp4_rc" + REPLAY)
+
+
+def split_row(name: str) -> tuple[str, bool]:
+    """(precision, replay) of a row name: a precision of the table, optionally with the suffix "+r3"."""
+    return (name[:-len(REPLAY)], True) if name.endswith(REPLAY) else (name, False)
 
 
 def check_precisions(names: Iterable[str] | None) -> list[str]:
-    """The precisions to run (`ALIGNMENT_ROWS` when None), validated and deduplicated."""
+    """The rows to run (`ROWS` when None), validated and deduplicated."""
     if names is None:
-        return list(ALIGNMENT_ROWS)
+        return list(ROWS)
     names = list(dict.fromkeys(names))
     if not names:
-        raise ValueError(f"no precisions given; use any of {list(PRECISIONS)}")
+        raise ValueError(f"no precisions given; use any of {list(PRECISIONS)}, each optionally with {REPLAY!r}")
     for name in names:
-        get_precision(name)
+        get_precision(split_row(name)[0])
     return names
 
 
@@ -136,8 +148,9 @@ def training_model(precision: str, model_path: str, *, scope: str = "experts", f
     return model.eval()
 
 
-def paired(model, generations: Sequence[Generation]) -> dict[str, torch.Tensor]:
-    """Train and rollout values of every response token, paired by position (module docstring).
+def paired(model, generations: Sequence[Generation], replay: bool = False) -> dict[str, torch.Tensor]:
+    """Train and rollout values of every response token, paired by position (module docstring); with `replay`
+    the trainer's routers take the engine's experts (R3).
 
     Each sequence is scored alone (no padding, which would enter NVFP4's per-tensor activation scale).
     Returns `train_logprobs`/`rollout_logprobs` [T] and `train_experts`/`rollout_experts` [T, layers, k].
@@ -145,6 +158,9 @@ def paired(model, generations: Sequence[Generation]) -> dict[str, torch.Tensor]:
     import torch
 
     from .megatron.logprobs import token_logprobs
+    from .megatron.replay import RoutingTaps
+
+    taps = RoutingTaps(model)
 
     out: dict[str, list[torch.Tensor]] = {k: [] for k in
                                           ("train_logprobs", "rollout_logprobs", "train_experts", "rollout_experts")}
@@ -157,12 +173,16 @@ def paired(model, generations: Sequence[Generation]) -> dict[str, torch.Tensor]:
             raise RuntimeError(f"engine returned routed experts {got} for {p} prompt + {n} output tokens; "
                                f"expected {p + n - 1} rows")
         ids = torch.tensor([g.prompt_ids + g.output_ids])
+        routes = torch.from_numpy(g.routed_experts.copy())
+        # the last token is never forwarded by the engine: its own routing (it scores nothing)
+        taps.replay(torch.cat([routes, -torch.ones_like(routes[:1])])[None] if replay else None)
         with torch.no_grad():
             scored = token_logprobs(model, ids, return_routed_experts=True)
         out["train_logprobs"].append(scored.logprobs[0, p:].double())
         out["rollout_logprobs"].append(torch.tensor(g.output_logprobs, dtype=torch.float64))
         out["train_experts"].append(scored.routed_experts[:, 0, p - 1:p + n - 1].transpose(0, 1).long())
         out["rollout_experts"].append(torch.from_numpy(g.routed_experts[p - 1:p + n - 1].copy()).long())
+    taps.replay(None)
     if not out["train_logprobs"]:
         raise RuntimeError("the engine generated no tokens")
     return {k: torch.cat(v) for k, v in out.items()}
@@ -238,7 +258,7 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
     names = check_precisions(precisions)
     if fmt not in FP4_FORMATS:
         raise ValueError(f"fmt {fmt!r} is not an FP4 format; use one of {list(FP4_FORMATS)}")
-    sides = {name: _row_format(name, scope, fmt) for name in names}
+    sides = {name: _row_format(split_row(name)[0], scope, fmt) for name in names}
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     model_path = str(model_path or default_model())
@@ -246,7 +266,7 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
     ids = prompt_ids(model_path, prompts)
     generations: dict[tuple, list[Generation]] = {}
     for name in names:
-        key = (PRECISIONS[name].rollout, *sides[name])
+        key = (PRECISIONS[split_row(name)[0]].rollout, *sides[name])
         if key not in generations:
             generations[key] = rollout(key[0], model_path, ids, max_new_tokens=max_new_tokens, scope=key[1],
                                        fmt=key[2], seed=seed, dtype=dtype)
@@ -254,14 +274,16 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
     with megatron_ready():
         models = {}  # (trainer mode, scope, format) -> model
         for name in names:
-            p, (row_scope, row_fmt) = PRECISIONS[name], sides[name]
+            precision, replay = split_row(name)
+            p, (row_scope, row_fmt) = PRECISIONS[precision], sides[name]
             train_key = (p.train, p.train_granularity, row_scope, row_fmt if p.trains_quantized else None)
             if train_key not in models:
-                models[train_key] = training_model(name, model_path, scope=row_scope, fmt=row_fmt)
+                models[train_key] = training_model(precision, model_path, scope=row_scope, fmt=row_fmt)
             row = {"precision": name, "rollout": p.rollout or "bf16",
-                   "training": p.train + (f" ({p.train_granularity})" if p.train_granularity else ""),
-                   "scope": row_scope, "fmt": row_fmt or "bf16", "model": model_path}
-            row.update(metrics(paired(models[train_key], generations[(p.rollout, row_scope, row_fmt)])))
+                   "training": p.train + (f" ({p.train_granularity})" if p.train_granularity else "") +
+                   (" + R3" if replay else ""), "scope": row_scope, "fmt": row_fmt or "bf16", "model": model_path}
+            gens = generations[(p.rollout, row_scope, row_fmt)]
+            row.update(metrics(paired(models[train_key], gens, replay=replay)))
             rows.append(row)
         models.clear()
     return rows

@@ -226,14 +226,110 @@ def _add_plan(sub) -> None:
     p.set_defaults(func=_plan)
 
 
+def _compare(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    from .compare import compare, parse_variant
+    from .config import ConfigError
+    from .loop.outcome import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED
+
+    try:
+        variants = [parse_variant(item) for item in args.configs]
+        done = compare(variants, args.seeds, Path(args.out), base=Path(args.base) if args.base else None,
+                       overrides=args.set, last=args.last, report_only=args.report_only,
+                       drop_checkpoints=args.drop_checkpoints, say=lambda line: print(f"qurl compare: {line}"))
+    except (ConfigError, ValueError, OSError) as err:
+        print(f"qurl compare: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    print(f"qurl compare: report {done.report}")
+    if done.failed:
+        print(f"qurl compare: {len(done.failed)} run(s) failed: {', '.join(done.failed)}", file=sys.stderr)
+    return EXIT_STOPPED if done.stopped else EXIT_FAILED if done.failed else EXIT_FINISHED
+
+
+def _add_compare(sub) -> None:
+    from .compare import __doc__ as doc
+
+    p = sub.add_parser("compare", help="several configs x seeds, one after another; curves with their spread and a "
+                                       "final table (docs/studies.md)",
+                       description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("configs", nargs="+", metavar="CONFIG[:LABEL]", help="qurl train YAML files (partial ones with "
+                                                                         "--base); LABEL defaults to the file name")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds of every config (default 0 1 2)")
+    p.add_argument("--out", default="runs/compare", help="runs and report go here (default runs/compare)")
+    p.add_argument("--base", help="a full config under every CONFIG, which then holds only what differs")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="key=value",
+                   help="overrides for every run, e.g. steps=4")
+    p.add_argument("--last", type=_positive, default=4, help="the table averages each run's last K steps (default 4)")
+    p.add_argument("--report-only", action="store_true", help="write the report from the runs so far, run nothing")
+    p.add_argument("--drop-checkpoints", action="store_true",
+                   help="delete a run's checkpoints once it finished (a later, longer config then redoes it)")
+    p.set_defaults(func=_compare)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+    import sys
+    from pathlib import Path
+
+    from .config import ConfigError, load_config
+    from .loop.evaluation import evaluate_model
+
+    flags = {"precision": args.precision, "eval.n": args.n, "eval.temperature": args.temperature,
+             "eval.num_prompts": args.num_prompts}
+    try:  # the flags as overrides, checked like the config's fields; a path stays a string
+        cfg = load_config(args.config, [*args.overrides, *(f"{k}={v}" for k, v in flags.items() if v is not None)])
+        if args.data:
+            cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, data=args.data))
+        cfg.resolved_precision()  # a scope or format the precision does not take
+        result = evaluate_model(cfg, args.model)
+    except (ConfigError, ValueError, OSError) as err:
+        print(f"qurl eval: {err}", file=sys.stderr)
+        return 2
+    precision, scope, fmt = cfg.resolved_precision()
+    result = {"model": args.model, "precision": precision.name, "scope": scope, "format": fmt,
+              "data": cfg.eval.data or "additions that are no training prompt", "n": cfg.eval.n,
+              "temperature": cfg.eval.temperature, "num_prompts": len(result["samples"]) // cfg.eval.n, **result}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(" ".join(f"{k.removeprefix('eval/')}={v:.4f}" for k, v in result["metrics"].items())
+          + f" ({result['num_prompts']} prompts x {cfg.eval.n}, {precision.name} engine)")
+    return 0
+
+
+def _add_eval(sub) -> None:
+    from .precision import PRECISIONS
+
+    p = sub.add_parser("eval", help="held-out accuracy of an HF checkpoint served by one engine of a precision "
+                                    "(pass@1 greedy, mean@n sampled)")
+    p.add_argument("--model", required=True, help="HF checkpoint directory (e.g. a run's checkpoint.dir/hf)")
+    p.add_argument("--precision", choices=list(PRECISIONS),
+                   help="the engine's precision, its rollout side (default: the config's)")
+    p.add_argument("--data", help=".jsonl or .parquet prompts (keys data.prompt_key/answer_key; default: the "
+                                  "config's eval.data, else task addition's split unseen in training)")
+    p.add_argument("--n", type=_positive, help="samples per prompt (default 1)")
+    p.add_argument("--temperature", type=float, help="0: greedy, accuracy = pass@1 (default); > 0: mean@n")
+    p.add_argument("--num-prompts", type=_positive, help="the data's first prompts (default 64)")
+    p.add_argument("--config", help="a qurl train YAML for the rest (data.reward, data.system_prompt, "
+                                    "rollout.max_new_tokens, ...)")
+    p.add_argument("--out", help="write the metrics and every sample here as JSON")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="e.g. rollout.max_new_tokens=1024 data.reward=math")
+    p.set_defaults(func=_eval)
+
+
 def _add_align(sub) -> None:
-    from .align import PROMPTS
-    from .precision import ALIGNMENT_ROWS, FP4_FORMATS, PRECISIONS, SCOPES
+    from .align import PROMPTS, REPLAY, ROWS
+    from .precision import FP4_FORMATS, PRECISIONS, SCOPES
 
     p = sub.add_parser("align", help="train-vs-rollout alignment of an MoE per precision (MoEResQ Table 2)")
     p.add_argument("--model", help="Qwen3-MoE HF checkpoint directory (default: the tiny random Qwen3-MoE)")
     p.add_argument("--precisions", nargs="+", metavar="PRECISION",
-                   help=f"any of {', '.join(PRECISIONS)} (default: {', '.join(ALIGNMENT_ROWS)})")
+                   help=f"any of {', '.join(PRECISIONS)}, each optionally with {REPLAY} (the trainer replays "
+                   f"the engine's routing) (default: {', '.join(ROWS)})")
     p.add_argument("--scope", choices=list(SCOPES), default="experts", help="quantized linears (default: experts)")
     p.add_argument("--fmt", choices=FP4_FORMATS, default="nvfp4", help="FP4 format (default: nvfp4)")
     p.add_argument("--prompts", type=_positive, default=4, help=f"fixed prompts to sample from, 1-{len(PROMPTS)} (default 4)")
@@ -266,15 +362,19 @@ def main(argv: list[str] | None = None) -> int:
                                   "this machine's)")
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-6 precision=fp8")
     tr.set_defaults(func=_train)
+    from .patching import TARGETS
+
     pat = sub.add_parser("patch", help="pinned source patch sets for installed packages (docs/patches.md)")
     pat.add_argument("action", choices=["apply", "check", "revert", "status"],
                      help="check exits 1 unless every pinned patch is applied")
-    pat.add_argument("--target", required=True, choices=["sglang", "megatron"])
+    pat.add_argument("--target", required=True, choices=sorted(TARGETS))
     pat.add_argument("--patches", help="patch directory (default: the checkout's patches/)")
     pat.set_defaults(func=_patch)
     _add_launch(sub)
     _add_align(sub)
     _add_plan(sub)
+    _add_eval(sub)
+    _add_compare(sub)
     exp = sub.add_parser("export", help="a run's checkpoint as an HF checkpoint (transformers, SGLang load it)")
     exp.add_argument("checkpoint", help="a checkpoint step directory, or a checkpoint.dir (its newest valid one)")
     exp.add_argument("out", help="the HF checkpoint directory to write")

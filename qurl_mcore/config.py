@@ -62,6 +62,7 @@ class TrainConfig:
     distributed_optimizer: Literal["auto", True, False] = "auto"  # auto: on for GPUs; the CPU cannot run it
     mini_batches: int = 1  # optimizer steps per rollout batch; π_prox from a pass before the first when > 1
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation (Megatron's)
+    routing_replay: Literal["none", "r3"] = "none"  # MoE: r3 routes the trainer's forwards by the rollout's experts
     tp_size: int = 1
     ep_size: int = 1
     dp_size: int = 1
@@ -112,6 +113,16 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = 0  # steps between held-out evaluations (also before step 1 and after the last); 0: off
+    data: str = ""  # .jsonl or .parquet read like data.path; empty: task addition's split unseen in training
+    num_prompts: int = 64  # the file's first rows, or the size of the generated split
+    n: int = 1  # samples per prompt
+    temperature: float = 0.0  # 0: greedy, accuracy = pass@1; > 0: accuracy = mean@n of n samples
+    bf16_reference: bool = False  # also a BF16 engine with the same weights (colocated): eval/accuracy_bf16
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -120,6 +131,7 @@ class Config:
     uaq: UAQConfig = field(default_factory=UAQConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # how both sides compute: a row of qurl_mcore/precision.py (trainer and engines from one name)
     precision: PrecisionName = "int8"
     scope: ScopeName = "auto"  # the linears quantized; auto: the precision's default
@@ -172,10 +184,12 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "rollout.max_new_tokens", "rollout.engines", "rollout.tp_size", "rollout.context_length",
         "rollout.push_bucket_mb", "train.tp_size", "train.ep_size", "train.dp_size", "train.pp_size",
         "train.micro_batch_size",
-        "train.lr", "train.mini_batches", "checkpoint.every", "checkpoint.keep", "steps", "uaq.scale")},
+        "train.lr", "train.mini_batches", "checkpoint.every", "checkpoint.keep", "steps", "uaq.scale",
+        "eval.num_prompts", "eval.n")},
     **{name: _NON_NEGATIVE for name in (
         "rollout.temperature", "rollout.max_total_tokens", "rollout.restart_attempts", "train.threads",
-        "train.eps_high", "train.kl_coef", "train.entropy_coef", "train.grad_clip", "train.weight_decay")},
+        "train.eps_high", "train.kl_coef", "train.entropy_coef", "train.grad_clip", "train.weight_decay",
+        "eval.every", "eval.temperature")},
     "train.eps_low": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "train.tis_cap": (lambda v: v >= 1, "must be >= 1"),
     "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),

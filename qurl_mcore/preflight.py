@@ -97,6 +97,33 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
                             f"rollout.context_length {r.context_length}; lower it or raise the context")
 
 
+def _eval_rules(cfg: Config, out: Preflight) -> None:
+    """The held-out evaluation's rules (`eval.*`), and its summary line."""
+    e, d = cfg.eval, cfg.data
+    if not e.every:  # off, the other eval.* fields included: eval.every=0 alone turns a config's evaluation off
+        return
+    from .loop.evaluation import eval_examples, greedy_repeats
+    from .tasks import addition_examples
+
+    if greedy_repeats(cfg):
+        out.problems.append(greedy_repeats(cfg))
+    if e.bf16_reference and cfg.layout != "colocated":
+        out.problems.append("eval.bf16_reference: the BF16 engine shares engine 0's bundle and takes tensor pushes "
+                            "from trainer rank 0 beside it, which only layout=colocated has; use "
+                            "eval.bf16_reference=false (eval/accuracy alone), or layout=colocated")
+    try:  # the rows the run reads, or the split it generates
+        train = [] if e.data or d.task != "addition" else addition_examples(d.num_prompts, seed=cfg.seed,
+                                                                               max_operand=d.max_operand)
+        held_out = eval_examples(cfg, train)
+    except ValueError as err:
+        out.problems.append(str(err))
+        return
+    where = e.data or "additions that are no training prompt"
+    how = "greedy, pass@1" if e.temperature == 0 else f"{e.n} samples at temperature {e.temperature}, mean@{e.n}"
+    out.summary.append(f"  eval        every {e.every} steps and at step 0: {len(held_out)} prompts ({where}), {how}, "
+                       + ("rollout engines and a BF16 engine" if e.bf16_reference else "rollout engines"))
+
+
 def _unwritable(path: Path) -> str | None:
     """Why nothing could be written at `path` (created if missing), or None."""
     existing = path.absolute()
@@ -159,6 +186,13 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
         out.problems.append(f"train.ep_size: {t.ep_size} needs an MoE model; this one is dense, use 1")
     elif experts and experts % t.ep_size:
         out.problems.append(f"train.ep_size: {t.ep_size} must divide the model's {experts} experts")
+    if t.routing_replay != "none" and not experts:
+        out.problems.append(f"train.routing_replay: {t.routing_replay} replays MoE routing; this model is dense, "
+                            "use none")
+    if t.routing_replay != "none" and t.recompute == "full" and t.pp_size > 1:
+        # the pipeline schedule recomputes a micro-batch after later ones set their replay targets
+        out.problems.append("train.routing_replay: r3 with train.recompute full and train.pp_size > 1 is not "
+                            "supported; use recompute selective (or none), or pp_size 1")
 
 
 def _memory_plan(cfg: Config, hf: dict[str, Any], out: Preflight, gpu: str | None) -> None:
@@ -248,6 +282,7 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
                        f"{cfg.data.prompts_per_step} prompts x {r.samples_per_prompt} samples per step, "
                        f"{cfg.steps} steps")
     out.summary.append("  uaq         " + (f"on, s = {cfg.uaq.scale}" if cfg.uaq.enabled else "off"))
+    _eval_rules(cfg, out)
     out.summary.append(f"  outputs     checkpoints {cfg.checkpoint.dir} (every {cfg.checkpoint.every}), "
                        f"logs {cfg.logging.dir}")
     return out

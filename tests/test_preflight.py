@@ -72,6 +72,15 @@ def test_cross_field_numbers(tmp_path):
     assert "train.tp_size: 3 must divide the model's 4 attention heads" in text
 
 
+def test_routing_replay_needs_an_moe_and_a_schedule_that_keeps_its_targets(tmp_path):
+    assert "train.routing_replay: r3 replays MoE routing; this model is dense" in _problems(
+        tmp_path, "train.routing_replay=r3")
+    moe = ["model.path=tiny-qwen3_moe", "train.routing_replay=r3"]
+    assert "train.routing_replay:" not in _problems(tmp_path, *moe, "train.recompute=full")
+    assert "r3 with train.recompute full and train.pp_size > 1 is not supported" in _problems(
+        tmp_path, *moe, "train.recompute=full", "train.pp_size=2")
+
+
 def test_bad_cli_arguments_end_with_one_line(capsys):
     assert main(["quant-report", "--tensor", "nope"]) == 2
     assert capsys.readouterr().out.startswith("qurl quant-report: no tensor 'nope'")

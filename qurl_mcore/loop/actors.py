@@ -123,15 +123,17 @@ def wait_for_placement(pg, stop, timeout: float = 600.0) -> None:
 
 def start_actors(cfg: Config, model_path: str, stop=None):
     """Create the placement group, the trainer group, the engine hosts and the rollout manager.
-    Returns (trainers, hosts, manager, placement group). Engines start in parallel with the trainers, except
-    with rollout.offload: then they start first, size their KV cache on GPUs no trainer has touched yet, and
-    give their memory back before the trainers start (the first push takes it again).
+    Returns (trainers, hosts, manager, placement group); with eval.bf16_reference the last host is the BF16
+    reference engine's, which only evaluations use, in engine 0's bundle with half its share (trainer rank 0
+    there pushes to it by shared memory / CUDA IPC, as to engine 0). Engines start in parallel with the
+    trainers, except with rollout.offload: then they start first, size their KV cache on GPUs no trainer has
+    touched yet, and give their memory back before the trainers start (the first push takes it again).
     A placement the cluster cannot hold is refused at once (ValueError naming what is missing); one it can
     hold but not yet is waited for, as long as `stop` (a checkpoint.StopRequest) is not requested."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from .rollout import EngineHost, RolloutManager, engine_config
+    from .rollout import EngineHost, RolloutManager, engine_config, reference_engine_config
     from .trainer import PolicyTrainer
 
     resources = ray.cluster_resources()
@@ -148,8 +150,12 @@ def start_actors(cfg: Config, model_path: str, stop=None):
     config = engine_config(cfg, model_path, "cuda" if use_gpu else "cpu")
     host = "127.0.0.1" if cfg.layout == "colocated" else None  # disaggregated: reachable from the trainer's node
     logs = os.path.abspath(cfg.logging.dir)  # each actor's output: a file of its own there
-    hosts = [ray.remote(EngineHost).options(**_options(placement, pg, b, engine_devices, threads)).remote(
-        config, host, log_file=f"{logs}/engine-{i}.log") for i, b in enumerate(placement.engines)]
+    configs = [(config, b, engine_devices) for b in placement.engines]
+    if cfg.eval.every and cfg.eval.bf16_reference:  # preflight: colocated only
+        configs[0] = (config, placement.engines[0], engine_devices / 2)
+        configs.append((reference_engine_config(cfg, model_path, config.device), *configs[0][1:]))
+    hosts = [ray.remote(EngineHost).options(**_options(placement, pg, b, devices, threads)).remote(
+        c, host, log_file=f"{logs}/engine-{i}.log") for i, (c, b, devices) in enumerate(configs)]
     if cfg.offload_rollout(use_gpu):
         for i, h in enumerate(hosts):
             try:
@@ -165,6 +171,8 @@ def start_actors(cfg: Config, model_path: str, stop=None):
         **_options(placement, pg, placement.trainer[0], 0, threads)).remote())
     trainers = [ray.remote(PolicyTrainer).options(**_options(placement, pg, b, placement.share, threads)).remote(
         cfg, rank, world, master, port, log_file=f"{logs}/trainer-{rank}.log") for rank, b in enumerate(placement.trainer)]
-    manager = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, model_path, hosts,
-                                                                     log_file=f"{logs}/rollout-manager.log")
+    engines = cfg.rollout.engines
+    manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
+        cfg, model_path, hosts[:engines], log_file=f"{logs}/rollout-manager.log",
+        reference=hosts[engines] if len(hosts) > engines else None)
     return trainers, hosts, manager, pg

@@ -2,11 +2,13 @@
 
 Token t of a sequence sits at position t; its log-prob (given tokens < t) is stored at position t too, the
 convention of `qurl_mcore.megatron.logprobs.token_logprobs`. A response of length R after a prompt of length P
-fills positions P .. P+R-1 of `response_mask` and `behav_logprobs`. Rows are right-padded.
+fills positions P .. P+R-1 of `response_mask` and `behav_logprobs`. Rows are right-padded. An MoE engine's
+routing of the tokens it forwarded (positions 0 .. P+R-2) fills `routed_experts` there; -1 elsewhere.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,7 +23,7 @@ class Sample:
     behav_logprobs: list[float]
     reward: float = 0.0
     group: int = 0  # the prompt it answers; GRPO/RLOO compare samples within a group
-    routed_experts: Tensor | None = None  # MoE: [response tokens, layers, k] from the engine, if returned
+    routed_experts: Any = None  # MoE: [P + R - 1 forwarded tokens, layers, k] expert ids from the engine
     meta: dict = field(default_factory=dict)
 
 
@@ -32,17 +34,19 @@ class TrainBatch:
     response_mask: Tensor  # [B, S] bool: response tokens (the ones the loss sees)
     behav_logprobs: Tensor  # [B, S] float32, 0 outside responses
     advantages: Tensor  # [B] float32
+    routed_experts: Tensor | None = None  # MoE: [B, S, layers, k] int16 expert ids from the engine, -1 where none
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def _map(self, fn) -> "TrainBatch":
+        return TrainBatch(**{f.name: None if (t := getattr(self, f.name)) is None else fn(t) for f in fields(self)})
+
     def select(self, index: Tensor | slice) -> "TrainBatch":
-        return TrainBatch(self.input_ids[index], self.attention_mask[index], self.response_mask[index],
-                          self.behav_logprobs[index], self.advantages[index])
+        return self._map(lambda t: t[index])
 
     def to(self, device: torch.device) -> "TrainBatch":
-        return TrainBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.response_mask,
-                                                   self.behav_logprobs, self.advantages)))
+        return self._map(lambda t: t.to(device))
 
 
 def collate(samples: list[Sample], advantages: Tensor, pad_id: int) -> TrainBatch:
@@ -63,10 +67,27 @@ def collate(samples: list[Sample], advantages: Tensor, pad_id: int) -> TrainBatc
     attention = torch.zeros(b, width, dtype=torch.bool)
     response = torch.zeros(b, width, dtype=torch.bool)
     behav = torch.zeros(b, width, dtype=torch.float32)
+    routed = _routing(samples, width)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         attention[i, : p + r] = True
         response[i, p : p + r] = True
         behav[i, p : p + r] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
-    return TrainBatch(input_ids, attention, response, behav, advantages.to(torch.float32))
+    return TrainBatch(input_ids, attention, response, behav, advantages.to(torch.float32), routed)
+
+
+def _routing(samples: list[Sample], width: int) -> Tensor | None:
+    """[B, width, layers, k] int16 routed experts (module docstring), or None unless every sample has them."""
+    if any(s.routed_experts is None for s in samples):
+        return None
+    first = torch.as_tensor(samples[0].routed_experts)
+    out = torch.full((len(samples), width, *first.shape[1:]), -1, dtype=torch.int16)
+    for i, s in enumerate(samples):
+        rows = torch.as_tensor(s.routed_experts)
+        forwarded = len(s.prompt_ids) + len(s.response_ids) - 1
+        if rows.shape != (forwarded, *first.shape[1:]):
+            raise ValueError(f"sample {i}: routed experts {tuple(rows.shape)} for {forwarded} forwarded tokens; "
+                             f"expected {(forwarded, *first.shape[1:])}")
+        out[i, :forwarded] = rows.to(torch.int16)  # expert ids < 32768
+    return out

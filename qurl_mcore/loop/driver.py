@@ -8,6 +8,8 @@ One step:
               step per batch, so the pre-update weights are π_prox), π_ref when the KL term is on; the step
               is skipped, and reported, on a non-finite loss or gradient
   push        the trainer's (UAQ-scaled) weights go to every engine, which re-quantizes them
+  eval        every `eval.every` steps, after the last and before the first (step 0): held-out accuracy of the
+              rollout engines and of a BF16 engine with the same weights (evaluation.py)
   log         metrics.jsonl + TensorBoard (+ W&B); a checkpoint every `checkpoint.every` steps and on SIGTERM
 
 A crashed engine is restarted, loaded with the current weights, and the step's rollout retried
@@ -245,6 +247,35 @@ class Loop:
         """The step's samples (a failed engine is restarted with the current weights and the rollout retried)."""
         return self.recovering(lambda: self.manager_do("generate", step), f"step-{step}")
 
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out eval/* metrics (evaluation.py) of the weights the engines hold after `step` steps: on
+        the rollout engines, then (eval.bf16_reference) on the BF16 reference engine, which gets the same
+        weights first; it serves nothing else, so it is pushed to only here. A failed engine, the reference
+        one too, is restarted and the evaluation retried, as a rollout is."""
+        start = time.perf_counter()
+        version = f"step-{step}"
+        metrics = self.recovering(lambda: self.manager_do("evaluate", step), version)
+        if self.cfg.eval.bf16_reference:
+            metrics.update(self.recovering(lambda: self.evaluate_reference(step), version))
+        metrics["time/eval"] = time.perf_counter() - start
+        return metrics
+
+    def evaluate_reference(self, step: int) -> dict[str, float]:
+        """Push the weights of `step` to the reference engine and evaluate it; with rollout.offload it holds
+        its memory only meanwhile."""
+        version = f"step-{step}"
+        endpoint = self.manager_do("reference_endpoint")
+        if self.offload:
+            self.trainers_do("empty_cache")
+            self.manager_do("resume_memory", ["weights"], True)
+        self.trainers_do("push_reference", endpoint, version)
+        if self.offload:
+            self.manager_do("resume_memory", ["kv_cache", "cuda_graph"], True)
+        metrics = self.manager_do("evaluate", step, True)
+        if self.offload:
+            self.manager_do("release_memory", True)
+        return metrics
+
     def write_pids(self) -> None:
         """logging.dir/pids.json: the process ids of the engine servers and the trainer ranks (operators, and
         the fault tests)."""
@@ -317,6 +348,15 @@ def say(message: str) -> None:
     tqdm.write(f"qurl train: {message}", file=sys.stderr)
 
 
+def _evaluated(loop: Loop, step: int) -> dict[str, float]:
+    """`loop.evaluate(step)`, announced on the console."""
+    metrics = loop.evaluate(step)
+    bf16 = metrics.get("eval/accuracy_bf16")
+    say(f"step {step} held-out accuracy {metrics['eval/accuracy']:.3f}" +
+        ("" if bf16 is None else f" (BF16 engine {bf16:.3f})"))
+    return metrics
+
+
 def _progress(cfg: Config, start: int):
     from tqdm import tqdm
 
@@ -366,13 +406,17 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         step = loop.restore(resume_from)
         if step:
             say(f"resuming at step {step} from {cfg.checkpoint.dir}")
-        log.truncate(step)  # records of steps done after the checkpoint are redone
+        log.truncate(step if step else -1)  # records after the checkpoint are redone (from scratch: step 0 too)
         loop.check_symmetry()
         loop.push_all(f"step-{step}")  # UAQ-scaled or resumed weights replace the checkpoint the engines loaded
+        if cfg.eval.every and step == 0:  # the baseline: the held-out accuracy before any update
+            log.log(0, _evaluated(loop, 0))
         bar = _progress(cfg, step)
         while step < cfg.steps and not stop.requested:
             metrics = loop.step(step)
             step += 1
+            if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
+                metrics.update(_evaluated(loop, step))
             log.log(step, metrics)
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",

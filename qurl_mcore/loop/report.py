@@ -9,10 +9,12 @@ from .tracking import read_metrics
 #: (title, metric names) per plot; a metric absent from the run is skipped.
 PANELS = [
     ("Reward", ["reward/mean"]),
+    ("Held-out accuracy: rollout engines vs BF16 engine", ["eval/accuracy", "eval/accuracy_bf16"]),
     ("KL(π_behav ‖ π_prox)", ["mismatch/kl_k1", "mismatch/kl_k3"]),
     ("Clip fractions", ["clip_frac/low", "clip_frac/high"]),
     ("|log π_train − log π_rollout|", ["mismatch/abs_logprob_diff"]),
     ("Update capture (share of quantized weights changed)", ["uaq/update_capture"]),
+    ("MoE routing, train vs rollout (before replay)", ["mismatch/topk_match", "mismatch/topk_overlap"]),
     ("Step time split (s)", ["time/rollout", "time/ref_logprobs", "time/train", "time/push"]),
 ]
 
@@ -47,5 +49,5 @@ def write_report(metrics_path: str | Path, out_dir: str | Path) -> Path:
         sections.append(f"<h2>{html.escape(title)}</h2><img src='{png.name}' alt='{html.escape(title)}'>")
     page = out_dir / "report.html"
     page.write_text("<!doctype html><meta charset='utf-8'><title>qurl run report</title>"
-                    f"<h1>qurl run report ({len(records)} steps)</h1>" + "".join(sections))
+                    f"<h1>qurl run report ({sum(r['step'] > 0 for r in records)} steps)</h1>" + "".join(sections))
     return page

@@ -7,6 +7,8 @@ Both are plain classes; `actors.py` runs them as Ray actors.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import random
 import secrets
@@ -17,6 +19,7 @@ from typing import Any
 
 from qurl_mcore.config import Config
 from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
+from qurl_mcore.rollout.engine import moe_shape
 from qurl_mcore.sglang.options import QUANTIZED_LOG_ENV
 from qurl_mcore.tasks import REWARDS, Example, addition_examples, load_examples, score_all
 from qurl_mcore.transfer import bind_gloo_towards
@@ -40,13 +43,20 @@ def new_api_key() -> str:
 
 
 def engine_config(cfg: Config, model_path: str, device: str) -> EngineConfig:
+    """The engine of a run; an MoE's engine returns each token's routed experts (routing metrics, replay)."""
     method, options = engine_quantization(cfg)
     extra: dict[str, Any] = {"tp_size": cfg.rollout.tp_size} if cfg.rollout.tp_size > 1 else {}
     if device == "cuda" and cfg.offload_rollout(cuda=True):  # torch_memory_saver's allocator (GPUs only)
         extra["enable_memory_saver"] = True
     return EngineConfig(str(model_path), method, options, device=device, dtype=cfg.rollout.dtype, random_seed=cfg.seed,
                         context_length=cfg.rollout.context_length, mem_fraction_static=cfg.rollout.mem_fraction or None,
-                        max_total_tokens=cfg.rollout.max_total_tokens or None, extra=extra)
+                        max_total_tokens=cfg.rollout.max_total_tokens or None,
+                        return_routed_experts=moe_shape(model_path) is not None, extra=extra)
+
+
+def reference_engine_config(cfg: Config, model_path: str, device: str) -> EngineConfig:
+    """The BF16 reference engine of `eval.bf16_reference`: the rollout engines' settings without quantization."""
+    return engine_config(dataclasses.replace(cfg, precision="bf16", scope="auto"), model_path, device)
 
 
 class EngineFailure(RuntimeError):
@@ -108,7 +118,7 @@ class EngineHost:
         return self.start()
 
     def generate(self, input_ids: list[list[int]], sampling: dict) -> list[Generation]:
-        return self.engine.generate(input_ids, sampling)
+        return self.engine.generate(input_ids, sampling, routed_experts=self.config.return_routed_experts)
 
     def release_memory(self) -> None:
         """Give back all of the engine's GPU memory (the trainer on the same GPU steps meanwhile)."""
@@ -144,6 +154,15 @@ def prompt_indices(num_examples: int, step: int, per_step: int, seed: int) -> li
     return out
 
 
+def chat_ids(tokenizer, example: Example, system_prompt: str = "") -> list[int]:
+    """Token ids of `example`'s chat (after `system_prompt`, when set) with the assistant turn opened."""
+    messages = [dict(m) for m in example.messages]
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def load_prompt_set(cfg: Config) -> list[Example]:
     d = cfg.data
     if d.task == "addition":
@@ -152,27 +171,30 @@ def load_prompt_set(cfg: Config) -> list[Example]:
 
 
 class RolloutManager:
-    """Prompts → n samples each from the engines (behaviour log-probs included) → rewards."""
+    """Prompts → n samples each from the engines (behaviour log-probs included) → rewards; and the held-out
+    evaluation (evaluation.py) on the same engines or on the BF16 `reference` engine's host, engine number
+    `len(hosts)` (eval.bf16_reference)."""
 
-    def __init__(self, cfg: Config, model_path: str, hosts: list, log_file: str | None = None):
+    def __init__(self, cfg: Config, model_path: str, hosts: list, log_file: str | None = None, reference=None):
         if log_file:
             redirect_output(log_file)
         from transformers import AutoTokenizer
 
+        from .evaluation import eval_examples
+
         self.cfg = cfg
         self.hosts = hosts
+        self.reference = reference
         self.examples = load_prompt_set(cfg)
         self.reward_fn = REWARDS[cfg.data.reward]
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._ids: dict[int, list[int]] = {}
+        self.eval_examples = eval_examples(cfg, self.examples) if cfg.eval.every else []
+        self.eval_ids = [chat_ids(self.tokenizer, ex, cfg.data.system_prompt) for ex in self.eval_examples]
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._ids:
-            messages = [dict(m) for m in self.examples[index].messages]
-            if self.cfg.data.system_prompt:
-                messages.insert(0, {"role": "system", "content": self.cfg.data.system_prompt})
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            self._ids[index] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            self._ids[index] = chat_ids(self.tokenizer, self.examples[index], self.cfg.data.system_prompt)
         return self._ids[index]
 
     def sampling(self) -> dict:
@@ -198,7 +220,7 @@ class RolloutManager:
         answers = [self.examples[j].answer for j in chosen for _ in range(n)]
         rewards, stats = score_all(self.reward_fn, [g.text for g in gens], answers)
         samples = [Sample(g.prompt_ids, g.output_ids, g.output_logprobs, reward, group=k // n,
-                          meta={"prompt": j, "text": g.text})
+                          routed_experts=g.routed_experts, meta={"prompt": j, "text": g.text})
                    for k, (g, reward, j) in enumerate(zip(gens, rewards, (j for j in chosen for _ in range(n))))]
         lengths = [len(g.output_ids) for g in gens]
         truncated = sum(len(g.output_ids) >= self.cfg.rollout.max_new_tokens for g in gens)
@@ -211,6 +233,38 @@ class RolloutManager:
             "perf/rollout_tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
         }
         return samples, metrics
+
+    def evaluate(self, step: int, reference: bool = False) -> dict[str, float]:
+        """The eval/* metrics (evaluation.py) of the held-out prompts, `eval.n` samples each: on the rollout
+        engines (requests split evenly over them), or with `reference` on the BF16 reference engine (names
+        suffixed `_bf16`). Every sample goes to logging.dir/eval/step_<step>[_bf16].jsonl. Raises
+        EngineFailure naming the first engine that failed."""
+        from .evaluation import BF16_SUFFIX, samples, sampling, score
+
+        n = self.cfg.eval.n
+        ids = [i for i in self.eval_ids for _ in range(n)]
+        hosts = self._hosts(reference)
+        size = -(-len(ids) // len(hosts))
+        parts = self._gather({i: host.generate.remote(ids[k * size:(k + 1) * size], sampling(self.cfg))
+                              for k, (i, host) in enumerate(hosts) if ids[k * size:(k + 1) * size]})
+        gens = [g for part in parts for g in part]
+        suffix = BF16_SUFFIX if reference else ""
+        metrics, rewards = score(self.reward_fn, gens, [ex.answer for ex in self.eval_examples for _ in range(n)], n,
+                                 self.cfg.rollout.max_new_tokens, suffix)
+        path = Path(self.cfg.logging.dir) / "eval" / f"step_{step:08d}{suffix}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in samples(self.eval_examples, n, gens, rewards)))
+        return metrics
+
+    def reference_endpoint(self) -> tuple[str, str | None]:
+        """(URL, API key) of the BF16 reference engine, for trainer rank 0 to push to."""
+        import ray
+
+        return ray.get(self.reference.endpoint.remote())
+
+    def _hosts(self, reference: bool) -> list[tuple[int, Any]]:
+        """(engine number, host) of the rollout engines, or of the reference engine alone."""
+        return [(len(self.hosts), self.reference)] if reference else list(enumerate(self.hosts))
 
     def endpoints(self) -> list[tuple[str, str | None]]:
         """Every engine's (URL, API key), in engine order."""
@@ -236,16 +290,17 @@ class RolloutManager:
         return out
 
     def restart(self, index: int) -> None:
+        """Restart engine `index` (`len(hosts)`: the reference engine)."""
         import ray
 
-        ray.get(self.hosts[index].restart.remote())
+        ray.get((self.hosts[index] if index < len(self.hosts) else self.reference).restart.remote())
 
-    def release_memory(self) -> None:
-        """Every engine gives back its GPU memory (EngineFailure names one that fails)."""
-        self._gather({i: host.release_memory.remote() for i, host in enumerate(self.hosts)})
+    def release_memory(self, reference: bool = False) -> None:
+        """Every engine (or the reference engine) gives back its GPU memory (EngineFailure names one that fails)."""
+        self._gather({i: host.release_memory.remote() for i, host in self._hosts(reference)})
 
-    def resume_memory(self, tags: list[str]) -> None:
-        self._gather({i: host.resume_memory.remote(tags) for i, host in enumerate(self.hosts)})
+    def resume_memory(self, tags: list[str], reference: bool = False) -> None:
+        self._gather({i: host.resume_memory.remote(tags) for i, host in self._hosts(reference)})
 
     def pids(self) -> list[int]:
         import ray

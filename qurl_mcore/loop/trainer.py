@@ -13,11 +13,18 @@ whole mini-batch, whatever the split into ranks and micro-batches.
 π_prox is the policy before the first update of the batch: with one mini-batch it is the training forward's
 own log-probs (detached), with more a no-grad pass before the first update (decoupled PPO).
 
+MoE routing (megatron/replay.py): the trainer's own top-k experts are compared with the engine's for every token
+that scores a response token, before any replay and with the pre-update weights (`mismatch/topk_match`,
+`mismatch/topk_overlap`, and per layer). With `train.routing_replay: r3` every forward of the policy (π_prox
+pass, training forward) routes by the engine's experts instead, and the comparison takes one extra no-grad pass
+without replay; the frozen reference model (KL term) always routes by itself.
+
 Everything runs on the rank's device: its GPU (the one Ray assigns, or LOCAL_RANK under srun/torchrun), or the
 CPU, with the same code (megatron/cpu_compat.py makes Megatron's training stack run on the CPU).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -35,6 +42,7 @@ from qurl_mcore.transfer import bind_gloo_towards
 from . import checkpoint as ckpt
 from .batch import TrainBatch
 from .tracking import redirect_output
+
 
 class PolicyTrainer:
     """One rank of the actor: a Megatron GPTModel on the rank's device (the trainer side of the configured
@@ -75,6 +83,13 @@ class PolicyTrainer:
             # training runs in the rescaled parameterisation, so every update is s times larger relative to
             # the rollout's quantization step (QuRL §4.3); the function computed is unchanged
             apply_uaq(self.model, cfg.uaq.scale)
+        from qurl_mcore.megatron.replay import RoutingTaps
+        from qurl_mcore.precision import num_experts
+
+        self.moe = num_experts(self.hf) > 0
+        self.taps = RoutingTaps(self.model)  # none in a dense model (or a pipeline stage without MoE layers)
+        self.agreement: torch.Tensor | None = None  # routing agreement sums of this step (replay.py)
+        self.measuring = False  # the current pass over the batch measures them (the first without replay)
         self.stack = build_training(self.model, lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.grad_clip,
                                     distributed_optimizer=cfg.distributed_optimizer(),
                                     overlap_grad_reduce=self.device.type == "cuda")
@@ -97,8 +112,25 @@ class PolicyTrainer:
         if not extra:
             return batch
         pad = lambda x, v: torch.nn.functional.pad(x, (0, extra), value=v)  # noqa: E731
+        routed = batch.routed_experts
+        if routed is not None:  # [B, S, layers, k]: pad S
+            routed = torch.nn.functional.pad(routed.movedim(1, -1), (0, extra), value=-1).movedim(-1, 1)
         return TrainBatch(pad(batch.input_ids, 0), pad(batch.attention_mask, False), pad(batch.response_mask, False),
-                          pad(batch.behav_logprobs, 0.0), batch.advantages)
+                          pad(batch.behav_logprobs, 0.0), batch.advantages, routed)
+
+    def _route(self, mb: TrainBatch, replay: bool) -> bool:
+        """Before a forward of the policy on `mb`: replay the engine's routing (r3) or route by itself. Returns
+        whether to measure the routing agreement after this forward (class docstring)."""
+        if not self.taps or mb.routed_experts is None:
+            return False
+        self.taps.replay(mb.routed_experts if replay else None)
+        return not replay and self.measuring
+
+    def _measure(self, mb: TrainBatch) -> None:
+        """Add this forward's routing agreement on the tokens that score a response token (position t scores
+        token t + 1)."""
+        scores = torch.nn.functional.pad(mb.response_mask[:, 1:], (0, 1), value=False)
+        self.agreement += self.taps.agreement(mb.routed_experts, scores, self.hf.num_hidden_layers)
 
     def _micro_batches(self, part: TrainBatch, *extra: torch.Tensor | None) -> list[tuple]:
         """(micro-batch, its rows of each tensor in `extra` or None), on this rank's device."""
@@ -106,15 +138,19 @@ class PolicyTrainer:
         return [(part.select(rows).to(self.device), *(None if x is None else x[rows] for x in extra))
                 for rows in (slice(i, i + size) for i in range(0, len(part), size))]
 
-    def _forward_only(self, model, part: TrainBatch) -> torch.Tensor:
-        """Log-probs of `part` under `model`, no gradient, through the same schedule (pipeline stages)."""
+    def _forward_only(self, model, part: TrainBatch, replay: bool = False) -> torch.Tensor:
+        """Log-probs of `part` under `model`, no gradient, through the same schedule (pipeline stages); the
+        policy's routing replayed or measured (`_route`)."""
         from qurl_mcore.megatron.logprobs import logprobs_from_logits, model_inputs
         from qurl_mcore.megatron.training import forward_only
 
         def forward(model_chunk, micro):
             (mb,) = micro
             inputs = model_inputs(mb.input_ids, attention_mask=mb.attention_mask)
+            measure = model is self.model and self._route(mb, replay)
             logits = model_chunk(inputs.input_ids, inputs.position_ids, inputs.attention_mask)
+            if measure:
+                self._measure(mb)
 
             def collect(out):
                 lp, _, _ = logprobs_from_logits(model, out, inputs, temperature=self.cfg.rollout.temperature)
@@ -134,7 +170,10 @@ class PolicyTrainer:
         t = self.cfg.train
         mb, prox, ref = micro
         inputs = model_inputs(mb.input_ids, attention_mask=mb.attention_mask)
+        measure = self._route(mb, replay=t.routing_replay == "r3")
         logits = model_chunk(inputs.input_ids, inputs.position_ids, inputs.attention_mask)
+        if measure:
+            self._measure(mb)
 
         def loss_func(out):
             lp, _, entropy = logprobs_from_logits(self.model, out, inputs, temperature=self.cfg.rollout.temperature,
@@ -167,8 +206,16 @@ class PolicyTrainer:
         start = time.perf_counter()
         full = self._pad_width(batch)
         local = self._local_rows(full)
+        replay = t.routing_replay == "r3"
+        self.agreement = torch.zeros(self.hf.num_hidden_layers, 3, dtype=torch.float64) if (
+            self.moe and full.routed_experts is not None) else None  # alike on every rank: reduced together
         ref = self._forward_only(self.ref, local) if self.ref is not None else None
-        prox = self._forward_only(self.model, local) if t.mini_batches > 1 else None
+        self.measuring = self.agreement is not None
+        if replay and self.measuring:
+            self._forward_only(self.model, local)  # the trainer's own routing, for the agreement metrics
+            self.measuring = False
+        prox = self._forward_only(self.model, local, replay=replay) if t.mini_batches > 1 else None
+        self.measuring &= prox is None  # else measured by the π_prox pass; otherwise by the first training pass
         t_ref = time.perf_counter()
         capture = self._capture_before()
         self.model.train()
@@ -182,6 +229,7 @@ class PolicyTrainer:
             grad_norm, was_skipped = optimizer_step(
                 self.stack, t.grad_clip, skip=part_metrics.get("nonfinite", 0.0) > 0 or
                 not all(math.isfinite(v) for k, v in part_metrics.items() if k.startswith("loss/")))
+            self.measuring = False  # later parts run after an update
             records.append(part_metrics)
             norms.append(grad_norm)
             skipped += was_skipped
@@ -195,7 +243,29 @@ class PolicyTrainer:
         })
         if capture is not None and skipped < len(norms):
             metrics["uaq/update_capture"] = self._capture_after(capture)
+        if self.agreement is not None:
+            metrics.update(self._routing_metrics())
+        if self.taps:
+            self.taps.replay(None)  # other forwards of the model (scoring, export checks) route by themselves
         return metrics
+
+    def _routing_metrics(self) -> dict[str, float]:
+        """`mismatch/topk_match` and `mismatch/topk_overlap` over every MoE layer and token of the step (all
+        ranks' sums; replicas count alike, so the shares are exact), and per layer (`.../layer<n>`)."""
+        sums, self.agreement = self.agreement, None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            sums = sums.to(self.device)  # NCCL reduces device tensors only
+            dist.all_reduce(sums)
+            sums = sums.cpu()
+        layers = sums[:, 0] > 0
+        if not layers.any():
+            return {}
+        tokens, same, overlap = sums[layers].sum(dim=0).tolist()
+        out = {"mismatch/topk_match": same / tokens, "mismatch/topk_overlap": overlap / tokens}
+        for n in layers.nonzero().flatten().tolist():
+            out[f"mismatch/topk_match/layer{n + 1}"] = float(sums[n, 1] / sums[n, 0])
+            out[f"mismatch/topk_overlap/layer{n + 1}"] = float(sums[n, 2] / sums[n, 0])
+        return out
 
     def _local_rows(self, full: TrainBatch) -> TrainBatch:
         """This DP rank's rows; at least one (a fully masked copy of row 0 when there are fewer rows than DP
@@ -300,41 +370,73 @@ class PolicyTrainer:
             close_weight_group(self.sender, self.engines)
             self.sender = None
 
+    @contextlib.contextmanager
+    def _weight_stream(self):
+        """The HF-named export of this rank's weights, bucket by bucket in rollout.dtype (UAQ-scaled when UAQ is
+        on: the trainer's parameters already are); each bucket is gathered just before it goes out. Drained on
+        exit, also after a failure: the export gathers shards from every rank (collective)."""
+        from qurl_mcore.megatron import export_hf_weights
+
+        r = self.cfg.rollout
+        stream = export_hf_weights(self.model, self.hf, bucket_bytes=r.push_bucket_mb << 20,
+                                   dtype=getattr(torch, r.dtype))
+        try:
+            yield stream
+        finally:
+            for _ in stream:
+                pass
+
     def push_weights(self, version: str, only: list[int] | None = None) -> float:
         """Stream this rank's weights to its engines as weight `version` (of `only` those engines, if
-        given), one bucket at a time: the HF-named export (UAQ-scaled when UAQ is on: the trainer's
-        parameters already are) gathers each bucket just before it goes out. Collective: every rank
-        iterates the whole export, also after its own engine failed. Returns the seconds taken; raises
-        EngineFailure naming the engine that failed."""
-        from qurl_mcore.megatron import export_hf_weights
+        given), one bucket at a time (`_weight_stream`). Collective: every rank iterates the whole export, also
+        after its own engine failed. Returns the seconds taken; raises EngineFailure naming the engine that
+        failed."""
         from qurl_mcore.rollout.broadcast import broadcast_weights
         from qurl_mcore.rollout.engine import WeightPushError, WeightSpecError
 
         from .rollout import EngineFailure
 
         start = time.perf_counter()
-        r = self.cfg.rollout
-        bucket_bytes = r.push_bucket_mb << 20
-        stream = export_hf_weights(self.model, self.hf, bucket_bytes=bucket_bytes, dtype=getattr(torch, r.dtype))
         targets = [k for k, i in enumerate(self.engine_ids) if only is None or i in only]
         failure: Exception | None = None
-        try:
-            if self.sender is not None:
-                broadcast_weights(self.sender, self.engines, stream, version)
-            elif targets:
-                (k,) = targets
-                self.engines[k].push_weights((nt for bucket in stream for nt in bucket), version,
-                                             bucket_bytes=bucket_bytes)
-        except WeightSpecError:
-            raise  # our export disagrees with the checkpoint: no engine restart fixes that
-        except Exception as err:  # noqa: BLE001 - a transport or engine error: that engine restarts
-            k = err.engine if isinstance(err, WeightPushError) and err.engine is not None else targets[0]
-            failure = EngineFailure(self.engine_ids[k], f"weight push: {type(err).__name__}: {err}"[:2000])
-        finally:
-            for _ in stream:  # the export gathers shards from every rank: finish it with the others
-                pass
+        with self._weight_stream() as stream:
+            try:
+                if self.sender is not None:
+                    broadcast_weights(self.sender, self.engines, stream, version)
+                elif targets:
+                    (k,) = targets
+                    self.engines[k].push_weights((nt for bucket in stream for nt in bucket), version,
+                                                 bucket_bytes=self.cfg.rollout.push_bucket_mb << 20)
+            except WeightSpecError:
+                raise  # our export disagrees with the checkpoint: no engine restart fixes that
+            except Exception as err:  # noqa: BLE001 - a transport or engine error: that engine restarts
+                k = err.engine if isinstance(err, WeightPushError) and err.engine is not None else targets[0]
+                failure = EngineFailure(self.engine_ids[k], f"weight push: {type(err).__name__}: {err}"[:2000])
         if failure is not None:
             raise failure
+        return time.perf_counter() - start
+
+    def push_reference(self, endpoint: tuple[str, str | None], version: str) -> float:
+        """Collective, like `push_weights`: the weights, as weight `version`, to the BF16 reference engine at
+        `endpoint` (eval.bf16_reference; it shares rank 0's bundle, and rank 0 sends). Returns the seconds
+        taken; raises EngineFailure naming it (engine number rollout.engines) when the push fails."""
+        from qurl_mcore.rollout import HttpEngine, WeightSpecError
+
+        from .rollout import EngineFailure, reference_engine_config
+
+        start = time.perf_counter()
+        with self._weight_stream() as stream:
+            try:
+                if self.rank == 0:
+                    engine = HttpEngine(reference_engine_config(self.cfg, str(self.hf_dir), self.device.type),
+                                        endpoint[0], api_key=endpoint[1])
+                    engine.push_weights((nt for bucket in stream for nt in bucket), version,
+                                        bucket_bytes=self.cfg.rollout.push_bucket_mb << 20)
+            except WeightSpecError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a transport or engine error: the reference engine restarts
+                reason = f"weight push: {type(err).__name__}: {err}"[:2000]
+                raise EngineFailure(self.cfg.rollout.engines, reason) from None
         return time.perf_counter() - start
 
     # -- checkpoints --------------------------------------------------------------------------------------------

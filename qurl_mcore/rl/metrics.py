@@ -159,6 +159,15 @@ def _overlap_counts(train_idx: Tensor, rollout_idx: Tensor) -> Tensor:
     return (both[..., 1:] == both[..., :-1]).sum(dim=-1)
 
 
+def topk_agreement_sums(train_idx: Tensor, rollout_idx: Tensor) -> tuple[Tensor, Tensor]:
+    """Per layer, over all tokens given ([tokens, layers, k] each): (Σ_t [E_t = F_t], Σ_t |E_t ∩ F_t| / k), float64
+    [layers] each; sums, so that batches and ranks add up before dividing by the token count."""
+    train_idx, rollout_idx = _topk_per_token(train_idx, rollout_idx, None)
+    counts = _overlap_counts(train_idx, rollout_idx)
+    k = train_idx.shape[-1]
+    return (counts == k).double().sum(dim=0), counts.double().sum(dim=0) / k
+
+
 def topk_match_fraction(train_idx: Tensor, rollout_idx: Tensor, mask: Tensor | None = None) -> tuple[Tensor, float]:
     """Share of tokens whose top-k expert sets are identical (MoEResQ's top_k_match_frac).
 

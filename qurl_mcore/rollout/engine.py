@@ -55,7 +55,7 @@ class WeightSpecError(WeightPushError):
         return WeightSpecError, (str(self), self.engine)
 
 
-def _moe_shape(model_path: str) -> tuple[int, int] | None:
+def moe_shape(model_path: str) -> tuple[int, int] | None:
     """(layers, top_k) of an MoE checkpoint, from its config.json; None for dense models."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     top_k = config.get("num_experts_per_tok")
@@ -99,7 +99,7 @@ class RolloutEngine(ABC):
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self._moe_shape = _moe_shape(config.model_path)
+        self._moe_shape = moe_shape(config.model_path)
         self._shapes: dict[str, list[int]] | None = None  # checkpoint tensor shapes, read on first use
 
     # -- transport, per engine kind ---------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """`qurl align`: MoEResQ's Table 2 on the tiny Qwen3-MoE with real SGLang rollouts scored by real Megatron.
 
-One module-scoped run of the five MoEResQ rows through the CLI (three engine starts, three Megatron models: the
+One module-scoped run of the five MoEResQ rows and the two with routing replay (fp4+r3, fp4_rc+r3) through the
+CLI (three engine starts, three Megatron models: the
 expensive part, shared by every assert below; a subprocess, so Megatron's process groups stay out of the
 test process). Scope "all" with MXFP4: on the tiny random model the experts-only scope moves only a token or
 two of layer-1 routing (docs/align.md), while quantized attention also perturbs the routers' inputs, which
@@ -33,10 +34,12 @@ def rows() -> dict[str, dict]:
 
 @pytest.mark.slow
 def test_every_row_reports_every_metric(rows):
-    assert list(rows) == list(ALIGNMENT_ROWS) == ["bf16", "fp4", "fp4_rc_rollout", "fp4_rc_train", "fp4_rc"]
+    assert list(rows) == list(align.ROWS) == [*ALIGNMENT_ROWS, "fp4+r3", "fp4_rc+r3"]
+    assert list(ALIGNMENT_ROWS) == ["bf16", "fp4", "fp4_rc_rollout", "fp4_rc_train", "fp4_rc"]
     for name, row in rows.items():
-        assert (row["rollout"], row["training"]) == (PRECISIONS[name].rollout or "bf16", PRECISIONS[name].train)
-        assert (row["scope"], row["fmt"]) == ("all", "mxfp4" if PRECISIONS[name].formats else "bf16")
+        p = PRECISIONS[name.removesuffix("+r3")]
+        assert (row["rollout"], row["training"]) == (p.rollout or "bf16", p.train + " + R3" * name.endswith("+r3"))
+        assert (row["scope"], row["fmt"]) == ("all", "mxfp4" if p.formats else "bf16")
         # sampled to the full length unless EOS came first; the tiny model has 2 MoE layers
         assert PROMPTS <= row["tokens"] <= PROMPTS * NEW_TOKENS
         assert len(row["topk_match_by_layer"]) == 2
@@ -45,6 +48,21 @@ def test_every_row_reports_every_metric(rows):
     # precisions sharing a rollout method score the same sampled responses
     assert rows["fp4"]["tokens"] == rows["fp4_rc_train"]["tokens"]
     assert rows["fp4_rc_rollout"]["tokens"] == rows["fp4_rc"]["tokens"]
+    assert rows["fp4+r3"]["tokens"] == rows["fp4"]["tokens"] and rows["fp4_rc+r3"]["tokens"] == rows["fp4_rc"]["tokens"]
+
+
+@pytest.mark.slow
+def test_routing_replay_makes_every_route_the_engines_but_not_the_probabilities(rows):
+    """R3: the trainer's routers take the engine's experts for every response token and layer, so the top-k
+    match is exactly 1; the token probabilities still differ (quantized vs full-precision experts), so naive
+    FP4 with replay stays further from the rollout than symmetric RC without it."""
+    for name in ("fp4+r3", "fp4_rc+r3"):
+        assert rows[name]["topk_match_frac"] == rows[name]["topk_overlap_mean"] == 1.0
+        assert rows[name]["topk_match_by_layer"] == [1.0, 1.0]
+    fp4, fp4_r3, rc = rows["fp4"], rows["fp4+r3"], rows["fp4_rc"]
+    assert fp4["topk_match_frac"] < 1.0  # so the replay changed something
+    assert fp4_r3["mean_abs_logprob_diff"] > 0 and fp4_r3["pcc"] < 1
+    assert fp4_r3["mean_abs_logprob_diff"] > rc["mean_abs_logprob_diff"]
 
 
 @pytest.mark.slow
@@ -82,8 +100,11 @@ def test_one_sided_rc_misaligns(rows):
 # -- units: no engine, no Megatron ---------------------------------------------------------------------------
 
 def test_precision_validation():
-    assert align.check_precisions(None) == list(ALIGNMENT_ROWS)
+    assert align.check_precisions(None) == list(align.ROWS)
     assert align.check_precisions(["fp4_rc", "bf16", "fp4_rc"]) == ["fp4_rc", "bf16"]
+    assert align.check_precisions(["fp4+r3"]) == ["fp4+r3"] and align.split_row("fp4+r3") == ("fp4", True)
+    with pytest.raises(ValueError, match=r"unknown precision 'rc_both'"):
+        align.check_precisions(["rc_both+r3"])
     assert align.check_precisions(["int8"]) == ["int8"]  # any precision of the table is a row
     with pytest.raises(ValueError, match=r"unknown precision 'rc_both'; use one of \['bf16'"):
         align.check_precisions(["bf16", "rc_both"])

@@ -110,7 +110,7 @@ def test_entry_point_failure_fails_the_job(sbatch, tmp_path):
 DEMO_STEPS = 3
 DEMO = [f"steps={DEMO_STEPS}", "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
         "rollout.max_total_tokens=2048", "train.micro_batch_size=4", "train.threads=2", "checkpoint.every=1",
-        "logging.progress=false"]
+        "logging.progress=false", "eval.every=0"]  # the held-out evaluation: tests/loop/test_eval.py
 
 
 def test_cpu_demo_checkpoints_on_the_time_limit_signal_requeues_and_resumes(sbatch, tmp_path):

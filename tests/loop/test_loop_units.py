@@ -88,9 +88,13 @@ def test_engine_quantization_per_precision(precision, method, options):
         over.append("scope=all")
     cfg = load_config(None, over)
     assert engine_quantization(cfg) == (method, options)
-    config = engine_config(cfg, "/models/x", "cpu")
+    from qurl_mcore.models.tiny import tiny_checkpoint
+
+    config = engine_config(cfg, str(tiny_checkpoint("qwen3")), "cpu")
     config.options()  # the plugin accepts the options
     assert config.quantization == method and config.device == "cpu"
+    assert not config.return_routed_experts  # a dense model routes nothing
+    assert engine_config(cfg, str(tiny_checkpoint("qwen3_moe")), "cpu").return_routed_experts
 
 
 def test_engine_failure_survives_pickling():

@@ -58,6 +58,16 @@ def test_moe_tp2_ep2(megatron_ws1):
     assert [r["local_experts"] for r in results] == [2, 2]
     assert all(torch.equal(r["routes"], hf_routes(path, ids)) for r in results)
     _check_quantized_matches_ws1(results[0]["quant"], path, ids, "fp4_rc", "experts", "nvfp4")
+    # routing replay (R3) under TP=2 with sequence parallelism and EP=2: every token of every layer takes the
+    # replayed experts, and the log-probs equal the same replay at world size 1
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    ref = workers.replayed(model, ids, results[0]["replayed"]["target"])
+    for r in results:
+        got = r["replayed"]
+        assert torch.equal(got["routes"].permute(1, 2, 0, 3).sort(-1).values, got["target"].sort(-1).values)
+        assert torch.allclose(got["logprobs"], ref["logprobs"], atol=1e-5, rtol=0)
+    assert (ref["logprobs"] - results[0]["logprobs"]).abs().max() > 1e-3  # the replay changed the model's output
 
 
 def test_spawn_reports_a_failing_rank():

@@ -78,6 +78,25 @@ def dense_tp2(rank: int, path, ids: torch.Tensor) -> dict:
     return result
 
 
+def other_routing(routes: torch.Tensor) -> torch.Tensor:
+    """A top-2 of 4 experts the router did not choose, for every token and layer: its set shifted by one
+    ({a, b} → {a+1, b+1} mod 4 never maps a pair onto itself); [b, s, layers, k] from routes [layers, b, s, k]."""
+    return (routes.permute(1, 2, 0, 3) + 1) % 4
+
+
+def replayed(model, ids: torch.Tensor, target: torch.Tensor) -> dict:
+    """Log-probs and routes of `model` on `ids` with its routers replaying `target` (R3)."""
+    from qurl_mcore.megatron.replay import RoutingTaps
+
+    taps = RoutingTaps(model)
+    taps.replay(target)
+    try:
+        out = token_logprobs(model, ids, return_routed_experts=True)
+    finally:
+        taps.replay(None)
+    return {"target": target, "logprobs": out.logprobs, "routes": out.routed_experts}
+
+
 def moe_tp2_ep2(rank: int, path, ids: torch.Tensor) -> dict:
     """Tiny Qwen3-MoE, TP=2 with sequence parallelism and EP=2 (each rank holds 2 of the 4 experts)."""
     init_parallel(tensor_parallel=2, expert_parallel=2)
@@ -87,6 +106,7 @@ def moe_tp2_ep2(rank: int, path, ids: torch.Tensor) -> dict:
     result = {"logits": full_logits(model, ids), "logprobs": out.logprobs, "routes": out.routed_experts,
               "round_trip": round_trip_mismatches(model, path),
               "local_experts": len(model.decoder.layers[0].mlp.experts.local_experts)}
+    result["replayed"] = replayed(model, ids, other_routing(out.routed_experts))
     apply_uaq(model, 2.0)
     result["uaq_logits"] = full_logits(model, ids)
     result["quant"] = quantized_step(path, ids, "fp4_rc", "experts", "nvfp4")
