@@ -132,6 +132,7 @@ def start_actors(cfg: Config, model_path: str, stop=None):
     hold but not yet is waited for, as long as `stop` (a checkpoint.StopRequest) is not requested."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from .rollout import EngineHost, RolloutManager, engine_config, reference_engine_config
     from .trainer import PolicyTrainer
@@ -172,7 +173,10 @@ def start_actors(cfg: Config, model_path: str, stop=None):
     trainers = [ray.remote(PolicyTrainer).options(**_options(placement, pg, b, placement.share, threads)).remote(
         cfg, rank, world, master, port, log_file=f"{logs}/trainer-{rank}.log") for rank, b in enumerate(placement.trainer)]
     engines = cfg.rollout.engines
-    manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
+    # on the driver's node: an engine node that goes down must not take the manager (the driver's view of the
+    # engines) with it, or the failure is reported as the manager's
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    manager = ray.remote(RolloutManager).options(num_cpus=0, scheduling_strategy=here).remote(
         cfg, model_path, hosts[:engines], log_file=f"{logs}/rollout-manager.log",
         reference=hosts[engines] if len(hosts) > engines else None)
     return trainers, hosts, manager, pg
