@@ -80,7 +80,10 @@ class SlurmJob:
         (which is also where a requeued job resumes from)."""
         if self.command:
             return self.command
-        args = ["qurl", "train", "--config", self.config, f"checkpoint.dir={self.ckpt_dir}", *self.overrides]
+        # a disaggregated job tags each node for training or for rollout only: a colocated run (the config's
+        # default) finds no node with both and gives up after the placement timeout
+        layout = ["layout=disaggregated"] if self.layout == "disaggregated" else []
+        args = ["qurl", "train", "--config", self.config, f"checkpoint.dir={self.ckpt_dir}", *layout, *self.overrides]
         return shlex.join(args)
 
     def validate(self) -> None:
@@ -96,6 +99,10 @@ class SlurmJob:
         if self.layout == "disaggregated" and not 1 <= self.rollout_nodes < self.nodes:
             errors.append(f"a disaggregated layout needs 1 <= --rollout-nodes < --nodes, so that both training "
                           f"and rollout get nodes (got {self.rollout_nodes} of {self.nodes})")
+        if self.layout == "disaggregated" and any(o.startswith("layout=") and o != "layout=disaggregated"
+                                                  for o in self.overrides):
+            errors.append("--layout disaggregated tags each node for training or rollout only, where a colocated "
+                          "run cannot be placed; drop the layout= override")
         if self.layout == "colocated" and self.rollout_nodes:
             errors.append("--rollout-nodes only applies to --layout disaggregated")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.job_name):

@@ -1,0 +1,89 @@
+"""The rendered Slurm job across two Slurm nodes: two network namespaces (tests/netns.py), a slurmd in each with
+its own node name and address, slurmctld on this machine (launch/slurm/local_cluster.sh --netns). The job of
+`qurl launch slurm --nodes 2 --layout disaggregated --rollout-nodes 1` starts the Ray head on node 1 and a worker
+on node 2, trains on node 1 and rolls out on node 2 (tiny Llama, eight short steps), gets the time-limit signal after
+a checkpoint, requeues itself and resumes to completion: test_slurm_job.py's one-node path, across nodes."""
+import re
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from qurl_mcore.loop.checkpoint import latest_checkpoint, read_meta
+from qurl_mcore.slurm import SlurmJob, render, submit
+from tests.launch.test_slurm_job import _release_when_requeued, _wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "launch" / "slurm" / "local_cluster.sh"
+STEPS = 8  # steps take about a second here: room for the signal to arrive mid-run
+TINY = [f"steps={STEPS}", "model.path=tiny-llama", "data.prompts_per_step=2", "data.num_prompts=16",
+        "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4", "rollout.context_length=256",
+        "rollout.max_total_tokens=2048", "train.micro_batch_size=4", "train.threads=1", "checkpoint.every=1",
+        "logging.progress=false", "eval.every=0", "eval.bf16_reference=false"]
+
+
+def test_a_disaggregated_job_runs_a_disaggregated_training(tmp_path):
+    """Its nodes carry qurl_train or qurl_rollout, never both: a colocated run (the config's default) could not be
+    placed there, so the job's command sets the layout, and an override that undoes it is refused."""
+    config = tmp_path / "train.yaml"
+    config.write_text("model:\n  path: smollm2\n")
+    job = SlurmJob(nodes=2, gpus_per_node=0, config=str(config), layout="disaggregated", rollout_nodes=1)
+    assert re.search(r"qurl train --config \S+ checkpoint\.dir=\S+ layout=disaggregated &", render(job))
+    with pytest.raises(ValueError, match="drop the layout= override"):
+        render(replace(job, overrides=["layout=colocated"]))
+
+
+@pytest.fixture
+def slurm_nodes(netns_nodes, tmp_path, monkeypatch):
+    """Two namespace nodes running a Slurm cluster of their own; its daemons are stopped (and then the nodes,
+    with everything the jobs left in them, taken down by netns_nodes) however the test ends."""
+    nodes = netns_nodes(2)
+    state = tmp_path / "slurm"
+    monkeypatch.setenv("SLURM_CONF", str(state / "slurm.conf"))  # sbatch/scontrol here, and the job's steps
+    try:
+        started = subprocess.run(["bash", str(CLUSTER), "start", "--netns", str(state)], env=nodes.env,
+                                 capture_output=True, text=True, timeout=300)
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield nodes
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "stop", "--netns", str(state)], env=nodes.env, capture_output=True,
+                       timeout=120)
+
+
+@pytest.mark.slow
+def test_disaggregated_job_spans_two_slurm_nodes_and_requeues(slurm_nodes, tmp_path):
+    nodes, ckpt, run = slurm_nodes, tmp_path / "ckpt", tmp_path / "run"
+    job = SlurmJob(nodes=2, gpus_per_node=0, cpus_per_node=2, layout="disaggregated", rollout_nodes=1,
+                   config=str(ROOT / "launch/configs/cpu_demo.yaml"), overrides=[*TINY, f"logging.dir={run}"],
+                   workdir=str(ROOT), venv=str(Path(sys.executable).parent.parent), job_name="qurl-2n",
+                   log_dir=str(tmp_path / "logs"), ckpt_dir=str(ckpt), object_store_bytes=256 * 2**20)
+    script, job_id = submit(job)
+    assert "layout=disaggregated" in script.read_text()  # the nodes' tags and the run's placement agree
+    log = tmp_path / "logs" / f"qurl-2n-{job_id}.out"
+    deadline = time.monotonic() + 600
+    while latest_checkpoint(ckpt) is None:  # step 1 done and saved
+        text = log.read_text() if log.exists() else ""
+        assert "training exited" not in text, text[-4000:]
+        assert time.monotonic() < deadline, "no checkpoint within 600 s:\n" + text[-4000:]
+        time.sleep(1)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+    _release_when_requeued(job_id)
+    fields = _wait_for(job_id, timeout=600)
+    text = log.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0" and fields["Restarts"] == "1", text
+    # both starts ran on the two nodes, and Ray spanned them: the worker joined the head across the link
+    assert text.count(f"on {nodes.env['QURL_NETNS_PREFIX']}-[1-2] at") == 2, text
+    ready = re.findall(r"\[ray\] 2/2 nodes up: (.*)", text)
+    assert len(ready) == 2 and all(f"'node:{nodes.addr(k)}': 1.0" in r for r in ready for k in (1, 2)), text
+    # trainer on node 1 (qurl_train), engine on node 2 (qurl_rollout), weights across: the disaggregated run
+    assert text.count(f"weights go to the engines by gloo broadcast (group at {nodes.addr(1)}:") == 2, text
+    # the requeue path of the one-node job
+    stopped = int(re.search(r"SIGTERM at step (\d+): checkpoint written", text).group(1))
+    assert 1 <= stopped < STEPS and "training exited with status 75" in text, text
+    assert "Kill job error" not in text  # the SIGTERM went to the training step's node alone
+    assert text.index("checkpoint written") < text.index("requeueing job")
+    assert f"resuming at step {stopped} from {ckpt}" in text
+    assert read_meta(latest_checkpoint(ckpt))["step"] == STEPS
