@@ -1,4 +1,4 @@
-"""`qurl patch apply|check|revert|status --target sglang|megatron`: pinned source patch sets for installed
+"""`qurl patch apply|check|revert|status --target <one of TARGETS>`: pinned source patch sets for installed
 packages.
 
 A patch set is `patches/<target>/<version>/*.patch` (unified diffs relative to site-packages, applied in name
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -31,16 +32,21 @@ class Target:
 
     def installed(self) -> tuple[Path, str]:
         """(site-packages root holding the package, installed version)."""
-        dist = metadata.distribution(self.dist)
+        try:
+            dist = metadata.distribution(self.dist)
+        except metadata.PackageNotFoundError:
+            raise PatchError(f"{self.dist} is not installed in this environment ({Path(sys.executable).parent}); "
+                             f"run qurl patch with the Python environment that runs {self.dist}") from None
         root = Path(dist.locate_file(""))
         if not (root / self.package).is_dir():
             raise PatchError(f"{self.dist} is installed but {root / self.package} is missing")
         return root, dist.version
 
 
-TARGETS = {
+TARGETS = {  # the one list of patchable packages: the CLI's --target choices and patches/<name>/
     "sglang": Target("sglang", "sglang", "sglang"),
     "megatron": Target("megatron", "megatron-core", "megatron/core"),
+    "verl": Target("verl", "verl", "verl"),  # a verl environment's, not ours: verl is in our test environment only
 }
 
 
@@ -109,22 +115,28 @@ class PatchSet:
         self.manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
     # -- state -------------------------------------------------------------------------------------------
-    def state(self, name: str) -> str:
-        """"applied" (recorded and every file as recorded), "clean" (applies), or "conflict"."""
-        applied = self.manifest()["applied"]
-        if name in applied:
-            final = {p: h["after"] for n in sorted(applied) for p, h in applied[n].items()}  # last patch wins
-            ok = all((self.root / p).is_file() and _sha(self.root / p) == final[p] for p in applied[name])
-            return "applied" if ok else "conflict"
-        try:
-            for fp in self.patches[name]:
-                apply_text(_read(self.root / fp.path), fp)
-        except (PatchError, FileNotFoundError):
-            return "conflict"
-        return "clean"
-
     def status(self) -> dict[str, str]:
-        return {name: self.state(name) for name in self.patches}
+        """Per patch, in name order: "applied" (recorded, and every file as recorded), "clean" (applies to the
+        files as the patches before it leave them: patches may stack on one file), or "conflict"."""
+        applied = self.manifest()["applied"]
+        final = {p: h["after"] for n in sorted(applied) for p, h in applied[n].items()}  # last patch wins
+        pending: dict[str, str] = {}  # file texts as the clean patches so far would leave them
+        states = {}
+        for name, file_patches in self.patches.items():
+            if name in applied:
+                ok = all((self.root / p).is_file() and _sha(self.root / p) == final[p] for p in applied[name])
+                states[name] = "applied" if ok else "conflict"
+                continue
+            texts = dict(pending)
+            try:
+                for fp in file_patches:
+                    texts[fp.path] = apply_text(texts[fp.path] if fp.path in texts else _read(self.root / fp.path), fp)
+            except (PatchError, FileNotFoundError):
+                states[name] = "conflict"
+                continue
+            pending = texts
+            states[name] = "clean"
+        return states
 
     # -- actions -----------------------------------------------------------------------------------------
     def apply(self) -> list[str]:
@@ -152,7 +164,8 @@ class PatchSet:
     def revert(self) -> list[str]:
         """Take every applied patch back out (last first) and check the files hash exactly as before."""
         manifest = self.manifest()
-        bad = [n for n in manifest["applied"] if n not in self.patches or self.state(n) != "applied"]
+        states = self.status()
+        bad = [n for n in manifest["applied"] if states.get(n) != "applied"]
         if bad:
             raise PatchError(f"cannot revert {bad}: files changed since they were patched, or the patch files "
                              "changed; reinstall the package")

@@ -3,12 +3,12 @@ normalisation, and its SGLang server's arguments (docs/integrations.md, "verl").
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
-import linecache
 import math
 import os
 import sys
-import traceback
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +19,8 @@ from verl.workers.config import FSDPActorConfig, HFModelConfig, PolicyLossConfig
 from qurl_mcore.integrations.verl import AGG_MODES, METHODS
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.rl.losses import policy_loss
+
+from ..patching.copies import installed_copy
 
 # verl's loss_agg_mode -> our aggregation of the same micro-batch reduction (verl's agg_loss in core_algos.py)
 SAME_REDUCTION = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean",
@@ -161,43 +163,234 @@ def test_external_lib_registers_the_losses(monkeypatch, tiny_llama):
     assert set(METHODS) <= set(core_algos.POLICY_LOSS_REGISTRY)
 
 
-def test_rollout_engine_kwargs_reach_sglang_server_args(monkeypatch, tiny_llama):
-    """verl's SGLangHttpServer.launch_server builds SGLang's arguments from the rollout config, with
-    `engine_kwargs.sglang` last. With SGLang 0.5.23 it stops before making them a ServerArgs: line 375 calls
-    dataclasses.fields(ServerArgs), and ServerArgs is no longer a dataclass. The test takes the arguments verl
-    built there, makes them a ServerArgs as its line 424 would, and lets SGLang resolve them with our plugin."""
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.layers.quantization import get_quantization_config
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import ServerArgs
+ROLLOUT = "verl.workers.rollout.sglang_rollout."
+PATCHED = ("http_server_engine", "sglang_rollout", "async_sglang_server")  # each imports the one before
+
+
+@pytest.fixture(scope="module")
+def patched_verl(tmp_path_factory) -> SimpleNamespace:
+    """verl's SGLang rollout modules as `qurl patch apply --target verl` leaves them (patches/verl/0.9.1), from a
+    patched copy of the installed files, in sys.modules for this module's tests; the venv's verl stays as
+    published."""
+    ps = installed_copy("verl", tmp_path_factory.mktemp("site"))
+    assert ps.apply() == sorted(ps.patches)
+    files = {(ROLLOUT + name).replace(".", "/") + ".py": name for name in PATCHED}
+    assert set(files) == {fp.path for file_patches in ps.patches.values() for fp in file_patches}
+    modules = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for path, name in files.items():
+            spec = importlib.util.spec_from_file_location(ROLLOUT + name, ps.root / path)
+            modules[name] = importlib.util.module_from_spec(spec)
+            mp.setitem(sys.modules, ROLLOUT + name, modules[name])
+            spec.loader.exec_module(modules[name])
+        yield SimpleNamespace(**modules)
+
+
+def cpu_server_env(monkeypatch) -> None:
+    """What verl's server needs on this CPU machine: SGLang's CPU engine, and the visible-devices variable the
+    server sets for its process restored after the test."""
     from verl.utils.device import get_visible_devices_keyword
+
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    devices = get_visible_devices_keyword()
+    monkeypatch.setenv(devices, os.environ.get(devices, ""))
+
+
+def sglang_server(patched_verl, rollout: RolloutConfig, model: HFModelConfig):
     from verl.workers.rollout.replica import RolloutMode
-    from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer
+
+    return patched_verl.async_sglang_server.SGLangHttpServer(
+        rollout, model, RolloutMode.HYBRID, workers=[], replica_rank=0, node_rank=0, nnodes=1, cuda_visible_devices="",
+        base_gpu_id=0)
+
+
+def test_rollout_engine_kwargs_reach_sglang_server_args(monkeypatch, tiny_llama, patched_verl):
+    """Patched, verl's SGLangHttpServer.launch_server gets past line 375 (dataclasses.fields of SGLang 0.5.23's
+    msgspec ServerArgs), loads SGLang's plugins as SGLang's Engine does, and makes the ServerArgs its engine
+    starts with: verl's keys, then `engine_kwargs.sglang`. The test stops it where the engine processes would
+    start (Engine._launch_subprocesses) and resolves those arguments as that call does first."""
+    from sglang.srt import plugins
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.entrypoints.http_server import Engine
+    from sglang.srt.layers import quantization
 
     from qurl_mcore.sglang.config import CONFIGS
     from qurl_mcore.sglang.options import QurlOptions
 
-    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
-    devices = get_visible_devices_keyword()  # the server sets it for its process: restored after the test
-    monkeypatch.setenv(devices, os.environ.get(devices, ""))
+    cpu_server_env(monkeypatch)
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)  # a fresh server process: nothing loaded yet
+    for method in CONFIGS:
+        monkeypatch.delitem(quantization.QUANTIZATION_METHODS, method, raising=False)
+
+    class Launch(Exception):
+        """Raised with the ServerArgs where verl would start the engine's processes."""
+
+    def launch(server_args, **_):
+        raise Launch(server_args)
+
+    monkeypatch.setattr(Engine, "_launch_subprocesses", staticmethod(launch))
     override = QurlOptions.parse("qurl_int8", {"scope": "all"}).override_args()
     sglang_kwargs = {"quantization": "qurl_int8", "json_model_override_args": json.dumps(override),
                      "device": "cpu", "attention_backend": "torch_native"}  # the last two: this CPU machine
     rollout = RolloutConfig(name="sglang", tensor_model_parallel_size=1, engine_kwargs={"sglang": sglang_kwargs})
-    server = SGLangHttpServer(rollout, HFModelConfig(path=tiny_llama), RolloutMode.HYBRID, workers=[],
-                              replica_rank=0, node_rank=0, nnodes=1, cuda_visible_devices="", base_gpu_id=0)
-    with pytest.raises(TypeError, match="dataclass") as stop:
+    server = sglang_server(patched_verl, rollout, HFModelConfig(path=tiny_llama))
+    with pytest.raises(Launch) as launched:
         asyncio.run(server.launch_server())
-    frame, line = [(f, n) for f, n in traceback.walk_tb(stop.value.__traceback__)
-                   if f.f_code is SGLangHttpServer.launch_server.__code__][-1]
-    assert "dataclasses.fields(ServerArgs)" in linecache.getline(frame.f_code.co_filename, line)
-    args = frame.f_locals["args"]
-    assert {k: args[k] for k in sglang_kwargs} == sglang_kwargs
+    server_args = launched.value.args[0]
+    assert {k: getattr(server_args, k) for k in sglang_kwargs} == sglang_kwargs
+    assert server_args.enable_weights_cpu_backup  # line 375's branch ran: HYBRID mode sets it, SGLang's default is off
+    assert quantization.QUANTIZATION_METHODS["qurl_int8"] is CONFIGS["qurl_int8"]  # verl loaded our plugin
 
-    load_plugins()  # what SGLang's engine does first in each of its processes (entry point sglang.srt.plugins)
-    server_args = ServerArgs(**args)
-    server_args.resolve_once()
+    server_args.resolve_once()  # what Engine._launch_subprocesses does first
     model = ModelConfig.from_server_args(server_args)
     assert (server_args.quantization, model.quantization) == ("qurl_int8", "qurl_int8")
     assert model.hf_config.quantization_config == override["quantization_config"]
-    assert get_quantization_config(model.quantization) is CONFIGS["qurl_int8"]
+    assert quantization.get_quantization_config(model.quantization) is CONFIGS["qurl_int8"]
+
+
+@pytest.mark.slow  # a real engine: `make test`, not test-fast
+def test_patched_verl_launches_sglang_and_updates_its_weights(monkeypatch, tiny_llama, patched_verl, tmp_path):
+    """Patched, verl 0.9.1 runs SGLang 0.5.23 with our plugin: its SGLangHttpServer.launch_server starts a CPU
+    engine with `quantization: qurl_int8` (and verl's default `load_format: dummy`), and its
+    ServerAdapter.update_weights pushes weights in SGLang's update session. After each push the engine serves
+    the quantized reference of a checkpoint holding the pushed weights (re-quantized at the session's end) and
+    is tagged with verl's global_steps; a push that fails midway still closes the session and tags the engine
+    `incomplete:<steps>`; pushing the checkpoint again restores the first push's engine bitwise.
+
+    Stand-ins for what a CPU host without Ray or CUDA lacks: the ServerAdapter gets the server's address as its
+    Ray lookup would (`_init_server_adapter`), its `server_actor` calls the server object directly, verl's
+    device (it has no CPU platform) is the CPU, and each bucket travels as CPU shared memory (`cpu_ipc`)."""
+    import signal
+
+    import psutil
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from sglang.srt.entrypoints.http_server import Engine
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.watchdog import SubprocessWatchdog
+    from torch.distributed.device_mesh import init_device_mesh
+    from verl.workers.config import CheckpointEngineConfig
+
+    from qurl_mcore.rollout import EngineConfig, HttpEngine
+    from qurl_mcore.transfer import free_port
+
+    from ..sglang.conftest import checkpoint_tensors, prompt_ids, score, write_checkpoint
+    from ..sglang.reference import reference_model, token_logprobs
+
+    cpu_server_env(monkeypatch)
+    monkeypatch.setenv("RANK", "0")  # what Ray sets for verl's rollout worker
+    monkeypatch.setenv("RAY_LOCAL_WORLD_SIZE", "1")
+    for name in ("SGLANG_BLOCK_NONZERO_RANK_CHILDREN", "TF_CPP_MIN_LOG_LEVEL", "NCCL_CUMEM_ENABLE"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # set by verl's server in its process: restored
+    sr = patched_verl.sglang_rollout
+    monkeypatch.setattr(sr, "get_device_id", lambda: "cpu")
+
+    async def cpu_ipc(engine, params_batch, device_mesh_key, device_mesh, load_format=None):
+        """SGLang's `weight_sync.utils.update_weights`, which verl calls per bucket, for one TP rank and CPU
+        tensors: SGLang's helper rewrites torch's tensor pickling for CUDA IPC (device -> GPU uuid, patch_torch.py)
+        and fails on a CPU tensor, so here the bucket is pickled plainly, storages as shared-memory files."""
+        assert device_mesh[device_mesh_key].size() == 1
+        req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[MultiprocessingSerializer.serialize(
+            params_batch)], load_format=load_format)
+        return await engine.update_weights_from_tensor(req)
+
+    monkeypatch.setattr(sr, "sgl_update_weights", cpu_ipc)
+
+    # the engine of tests/sglang: fp32 activations, every request computes all its tokens
+    engine = EngineConfig(tiny_llama, "qurl_int8", {"scope": "all"}, device="cpu", dtype="float32",
+                          mem_fraction_static=0.2, max_total_tokens=4096, context_length=1024,
+                          extra={"disable_radix_cache": True})
+    sglang_kwargs = {k: v for k, v in engine.engine_kwargs().items() if k != "model_path"}
+    sglang_kwargs["enable_memory_saver"] = False  # verl turns it on; it releases GPU memory, needs torch_memory_saver
+    rollout = RolloutConfig(name="sglang", tensor_model_parallel_size=1, engine_kwargs={"sglang": sglang_kwargs},
+                            checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=1))
+    model = HFModelConfig(path=tiny_llama)
+    server = sglang_server(patched_verl, rollout, model)
+    server._server_address = "127.0.0.1"  # verl listens on Ray's node address; the test stays on loopback
+    launched = []  # what Engine._launch_subprocesses returned to verl, which drops the process watchdog in it
+    launch_subprocesses = Engine._launch_subprocesses
+
+    def launch(**kwargs):
+        launched.append(launch_subprocesses(**kwargs))
+        return launched[-1]
+
+    monkeypatch.setattr(Engine, "_launch_subprocesses", staticmethod(launch))
+
+    original = checkpoint_tensors(tiny_llama)
+    gen = torch.Generator().manual_seed(1)
+    noisy = {k: (v.float() + 0.2 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
+             for k, v in original.items() if k.startswith("model.layers.0.") and k.endswith("proj.weight")}
+    noisy["model.embed_tokens.weight"] = original["model.embed_tokens.weight"].flip(0)  # 12 MiB: its own bucket
+
+    def failing():
+        """The trainer's weights, failing once the first bucket (the embedding) is full and sent."""
+        yield "model.embed_tokens.weight", noisy["model.embed_tokens.weight"]
+        yield "model.layers.0.self_attn.q_proj.weight", noisy["model.layers.0.self_attn.q_proj.weight"]
+        raise RuntimeError("trainer failed midway")
+
+    async def run() -> dict:
+        before = set(psutil.Process().children(recursive=True))
+        sigquit = signal.getsignal(signal.SIGQUIT)  # before SGLang's
+        try:
+            await server.launch_server()
+            host, port = server.get_server_address()
+            client = HttpEngine(engine, f"http://{host}:{port}", timeout=120)
+            adapter = sr.ServerAdapter(rollout, model, mesh, replica_rank=0)
+            adapter._engine = patched_verl.http_server_engine.AsyncHttpServerAdapter(
+                model_path=model.local_path, host=host, port=port, launch_server=False)
+            adapter.server_actor = SimpleNamespace(set_global_steps=SimpleNamespace(remote=server.set_global_steps))
+            got = {}
+
+            async def served(steps: int, weights) -> str:
+                """Push `weights` as verl does at `steps`, then the engine's weight version."""
+                await adapter.update_weights(weights, global_steps=steps)
+                return (await asyncio.to_thread(client.model_info))["weight_version"]
+
+            got["loaded"] = await served(1, iter(original.items()))  # the first sync replaces the dummy weights
+            ids = prompt_ids(tiny_llama)
+            greedy = (await asyncio.to_thread(client.generate, [ids], {"max_new_tokens": 8, "temperature": 0.0}))[0]
+            got["seq"] = ids + greedy.output_ids
+            got["base"] = await asyncio.to_thread(score, client, got["seq"])
+            got["noisy"] = await served(2, iter(noisy.items()))
+            got["pushed"] = await asyncio.to_thread(score, client, got["seq"])
+            with pytest.raises(RuntimeError, match="midway"):
+                await served(3, failing())
+            got["failed"] = (await asyncio.to_thread(client.model_info))["weight_version"]
+            got["restored_version"] = await served(4, iter(original.items()))  # a new session opens
+            got["restored"] = await asyncio.to_thread(score, client, got["seq"])
+            got["steps"] = server.global_steps
+            return got
+        finally:  # the engine's processes: SGLang takes their exit for a crash and kills this process (SIGQUIT)
+            for watchdog in (x for result in launched for x in result if isinstance(x, SubprocessWatchdog)):
+                watchdog.stop()  # first, as sglang.Engine.shutdown does
+            if getattr(server, "_server_task", None) is not None:
+                server._server_task.cancel()
+            signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+            children = set(psutil.Process().children(recursive=True)) - before
+            for child in children:
+                child.kill()
+            psutil.wait_procs(children, timeout=60)
+            signal.signal(signal.SIGQUIT, sigquit)
+
+    sharing = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")  # a server we did not fork cannot take file descriptors: named files
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
+        got = asyncio.run(run())
+    finally:
+        dist.destroy_process_group()
+        mp.set_sharing_strategy(sharing)
+
+    def reference(tensors: dict, name: str) -> torch.Tensor:
+        """The quantized reference's log-probs of the sequence, from a checkpoint holding `tensors`."""
+        path = write_checkpoint(tiny_llama, {**original, **tensors}, tmp_path / name)
+        return token_logprobs(reference_model(path, engine.options().spec(), "all", torch.float32), got["seq"])
+
+    assert [got[k] for k in ("loaded", "noisy", "failed", "restored_version", "steps")] == \
+        ["1", "2", "incomplete:3", "4", 4]
+    assert (got["base"] - reference({}, "checkpoint")).abs().max() < 2e-3  # tolerance: tests/sglang
+    assert not torch.equal(got["pushed"], got["base"])
+    assert (got["pushed"] - reference(noisy, "noisy")).abs().max() < 2e-3
+    assert torch.equal(got["restored"], got["base"])

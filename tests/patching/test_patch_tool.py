@@ -112,3 +112,26 @@ def test_cli_reports_status():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "megatron-core 0.16.1" in out.stdout
+
+
+def test_patches_stack_on_one_file(tmp_path):
+    """A later patch of the same file is made against the earlier one's result, whose lines it shifts: it is
+    clean (not a conflict) before anything is applied, and both go in and come back out exactly."""
+    site = tmp_path / "site"
+    (site / "sglang").mkdir(parents=True)  # the target package: the manifest goes there
+    base = "".join(f"line {i}\n" for i in range(30))
+    first = base.replace("line 2\n", "line 2\nadded 1\nadded 2\n")
+    second = first.replace("line 20\n", "line twenty\n")
+    (site / "sglang/f.py").write_text(base)
+    pset = tmp_path / "patches" / "sglang" / "0.5.23"
+    pset.mkdir(parents=True)
+    (pset / "01-insert.patch").write_text(_diff("sglang/f.py", base, first))
+    (pset / "02-after.patch").write_text(_diff("sglang/f.py", first, second))
+    ps = PatchSet.load("sglang", site, "0.5.23", tmp_path / "patches")
+    with pytest.raises(PatchError):  # on its own, the second patch does not fit the unpatched file
+        apply_text(base, ps.patches["02-after.patch"][0])
+    assert ps.status() == {"01-insert.patch": "clean", "02-after.patch": "clean"}
+    assert ps.apply() == ["01-insert.patch", "02-after.patch"]
+    assert (site / "sglang/f.py").read_text() == second
+    assert ps.revert() == ["02-after.patch", "01-insert.patch"]
+    assert (site / "sglang/f.py").read_text() == base
