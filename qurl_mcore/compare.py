@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from .config import Config, load_config, to_dict
+from .config import Config, flatten, load_config, to_dict
 from .loop.outcome import EXIT_FINISHED, EXIT_STOPPED
 from .loop.tracking import read_metrics
 
@@ -137,17 +137,6 @@ def parse_variant(text: str) -> Variant:
     if not Path(path).is_file():
         raise ValueError(f"{text!r}: config file {path} does not exist")
     return Variant(Path(path), label)
-
-
-def flatten(data: Mapping, prefix: str = "") -> dict:
-    """A nested config mapping as {dotted key: value}."""
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def as_overrides(data: Mapping) -> list[str]:

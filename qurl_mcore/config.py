@@ -304,3 +304,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 def to_dict(cfg: Config) -> dict:
     """The full resolved config, for logs and checkpoints."""
     return dataclasses.asdict(cfg)
+
+
+def flatten(data: typing.Mapping, prefix: str = "") -> dict:
+    """A nested config mapping (`to_dict`'s, a checkpoint's, a YAML file's) as {dotted key: value}: the keys
+    `load_config`'s overrides take."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, typing.Mapping):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -65,7 +65,7 @@ def write_hf_checkpoint(model, source_dir: str | Path, out_dir: str | Path, *, u
 
 def _export_rank(rank: int, checkpoint_dir: str, out_dir: str, dtype: str) -> str | None:
     """One trainer rank of the run that wrote `checkpoint_dir`, rebuilt on the CPU to export it."""
-    from qurl_mcore.config import load_config
+    from qurl_mcore.config import flatten, load_config
     from qurl_mcore.loop.checkpoint import rank_file, read_file, read_meta
     from qurl_mcore.models import resolve_model_path
 
@@ -73,7 +73,7 @@ def _export_rank(rank: int, checkpoint_dir: str, out_dir: str, dtype: str) -> st
     from .parallel import destroy_parallel, init_parallel
 
     meta = read_meta(checkpoint_dir)
-    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in _flatten(meta["config"]).items()])
+    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in flatten(meta["config"]).items()])
     init_parallel(cfg.train.tp_size, cfg.train.ep_size, pipeline_parallel=cfg.train.pp_size, rank=rank,
                   world_size=meta["world_size"])
     try:
@@ -86,16 +86,6 @@ def _export_rank(rank: int, checkpoint_dir: str, out_dir: str, dtype: str) -> st
         return None if out is None else str(out)
     finally:
         destroy_parallel()
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
