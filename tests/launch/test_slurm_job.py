@@ -52,6 +52,17 @@ def _job_fields(job_id: str) -> dict:
     return dict(re.findall(r"(\w+)=(\S+)", info))
 
 
+def _wait_for_checkpoint(ckpt: Path, log: Path, timeout: float = 600) -> None:
+    """Until the job's run has written its first checkpoint (step 1 done and saved); fails at once if the
+    training step exited."""
+    deadline = time.monotonic() + timeout
+    while latest_checkpoint(ckpt) is None:
+        text = log.read_text() if log.exists() else ""
+        assert "training exited" not in text, text[-4000:]
+        assert time.monotonic() < deadline, f"no checkpoint within {timeout:.0f} s:\n" + text[-4000:]
+        time.sleep(1)
+
+
 def _wait_for(job_id: str, timeout: float = 300) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -120,12 +131,7 @@ def test_cpu_demo_checkpoints_on_the_time_limit_signal_requeues_and_resumes(sbat
     script, job_id = sbatch(job)
     assert f"checkpoint.dir={ckpt}" in script.read_text()  # the rendered command, not one written for the test
     log = tmp_path / "logs" / f"qurl-demo-{job_id}.out"
-    deadline = time.monotonic() + 600
-    while latest_checkpoint(ckpt) is None:  # step 1 done and saved
-        text = log.read_text() if log.exists() else ""
-        assert "training exited" not in text, text[-4000:]
-        assert time.monotonic() < deadline, "no checkpoint within 600 s:\n" + text[-4000:]
-        time.sleep(2)
+    _wait_for_checkpoint(ckpt, log)
     # what Slurm sends --signal's grace period before the time limit
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
     _release_when_requeued(job_id)

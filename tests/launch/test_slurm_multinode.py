@@ -6,7 +6,6 @@ a checkpoint, requeues itself and resumes to completion: test_slurm_job.py's one
 import re
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from qurl_mcore.loop.checkpoint import latest_checkpoint, read_meta
 from qurl_mcore.slurm import SlurmJob, render, submit
-from tests.launch.test_slurm_job import _release_when_requeued, _wait_for
+from tests.launch.test_slurm_job import _release_when_requeued, _wait_for, _wait_for_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "launch" / "slurm" / "local_cluster.sh"
@@ -63,12 +62,7 @@ def test_disaggregated_job_spans_two_slurm_nodes_and_requeues(slurm_nodes, tmp_p
     script, job_id = submit(job)
     assert "layout=disaggregated" in script.read_text()  # the nodes' tags and the run's placement agree
     log = tmp_path / "logs" / f"qurl-2n-{job_id}.out"
-    deadline = time.monotonic() + 600
-    while latest_checkpoint(ckpt) is None:  # step 1 done and saved
-        text = log.read_text() if log.exists() else ""
-        assert "training exited" not in text, text[-4000:]
-        assert time.monotonic() < deadline, "no checkpoint within 600 s:\n" + text[-4000:]
-        time.sleep(1)
+    _wait_for_checkpoint(ckpt, log)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
     _release_when_requeued(job_id)
     fields = _wait_for(job_id, timeout=600)

@@ -18,22 +18,41 @@ CASES = {
     "ep2-moe": ("tiny-qwen3_moe", ["train.dp_size=2", "train.ep_size=2"]),
     "pp2-dense": ("tiny-llama", ["train.pp_size=2"]),
     "pp2-moe": ("tiny-qwen3_moe", ["train.pp_size=2"]),
+    # routing replay: each stage replays its own layers' part of the engine's routing
+    "pp2-moe-r3": ("tiny-qwen3_moe", ["train.pp_size=2", "train.routing_replay=r3"]),
 }
+REPLAY = "train.routing_replay=r3"
+
+
+def _reference_key(model: str, overrides: list[str]) -> tuple[str, bool]:
+    return model, REPLAY in overrides
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return {model: spawn(workers.train_step, 1, 1, [f"model.path={model}"])[0]
-            for model in {m for m, _ in CASES.values()}}
+    keys = {_reference_key(m, o) for m, o in CASES.values()}
+    return {(model, r3): spawn(workers.train_step, 1, 1, [f"model.path={model}", *([REPLAY] if r3 else [])])[0]
+            for model, r3 in keys}
+
+
+def test_routing_replay_changes_the_step_and_measures_before_it(reference):
+    plain, replayed = reference[("tiny-qwen3_moe", False)], reference[("tiny-qwen3_moe", True)]
+    # the random routing was used (the loss value is -mean(A) at the first step whatever the routing; its gradient
+    # is not)
+    assert replayed["metrics"]["train/grad_norm"] != pytest.approx(plain["metrics"]["train/grad_norm"], rel=1e-3)
+    for key in ("mismatch/topk_match", "mismatch/topk_overlap", "mismatch/topk_match/layer2"):
+        # measured without replay and before the update: the same with and without R3
+        assert replayed["metrics"][key] == plain["metrics"][key], key
+    assert 0 <= plain["metrics"]["mismatch/topk_match"] < 0.5  # random routing rarely agrees with the router
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_world_size_2_equals_world_size_1(reference, case):
     model, overrides = CASES[case]
-    ref = reference[model]
+    ref = reference[_reference_key(model, overrides)]
     results = spawn(workers.train_step, 2, 2, [f"model.path={model}", *overrides])
     got = results[0]
-    for key in ("loss/total", "loss/policy", "train/grad_norm"):
+    for key in ("loss/total", "loss/policy", "train/grad_norm", *(("mismatch/topk_match",) if "moe" in case else ())):
         for r in results:  # every rank reports the whole batch's value
             assert r["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-7), key
     assert got["grads"].keys() == ref["grads"].keys()

@@ -8,14 +8,16 @@ from qurl_mcore.loop.batch import Sample, collate
 from qurl_mcore.loop.trainer import PolicyTrainer
 
 
-def batch(seed: int = 0, rows: int = 8):
-    """Prompts and responses of varied lengths with fixed advantages (PPO ignores the behaviour log-probs)."""
+def batch(seed: int = 0, rows: int = 8, moe: bool = False):
+    """Prompts and responses of varied lengths with fixed advantages (PPO ignores the behaviour log-probs);
+    for the tiny MoE (2 layers, top-2 of 4 experts) an engine's routing of every forwarded token, at random."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(rows):
         p, r = 3 + i % 3, 2 + (i * 5) % 4
         ids = torch.randint(3, 1000, (p + r,), generator=g).tolist()
-        samples.append(Sample(ids[:p], ids[p:], [-1.0] * r, group=i // 2))
+        routed = torch.rand(p + r - 1, 2, 4, generator=g).argsort(-1)[..., :2] if moe else None
+        samples.append(Sample(ids[:p], ids[p:], [-1.0] * r, group=i // 2, routed_experts=routed))
     return collate(samples, torch.linspace(-1.0, 1.0, rows), pad_id=0)
 
 
@@ -41,7 +43,7 @@ def train_step(rank: int, world_size: int, overrides: list[str]) -> dict:
                              "train.grad_clip=0", "train.micro_batch_size=2", *overrides])
     trainer = PolicyTrainer(cfg, rank=rank, world_size=world_size)
     try:
-        metrics = trainer.step(batch())
+        metrics = trainer.step(batch(moe=trainer.moe))
         grads = _hf(trainer, {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()})
         weights = _hf(trainer, {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
         return {"metrics": metrics, "grads": grads, "weights": weights} if rank == 0 else {"metrics": metrics}
