@@ -3,11 +3,12 @@ normalisation, and its SGLang server's arguments (docs/integrations.md, "verl").
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import os
 import sys
+from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,7 @@ from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.rl.losses import policy_loss
 
 from ..patching.copies import installed_copy
+from .verl_server import PATCHED, ROLLOUT, patched_rollout, sglang_server
 
 # verl's loss_agg_mode -> our aggregation of the same micro-batch reduction (verl's agg_loss in core_algos.py)
 SAME_REDUCTION = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean",
@@ -163,45 +165,21 @@ def test_external_lib_registers_the_losses(monkeypatch, tiny_llama):
     assert set(METHODS) <= set(core_algos.POLICY_LOSS_REGISTRY)
 
 
-ROLLOUT = "verl.workers.rollout.sglang_rollout."
-PATCHED = ("http_server_engine", "sglang_rollout", "async_sglang_server")  # each imports the one before
+@pytest.fixture(scope="module")
+def patched_site(tmp_path_factory) -> Path:
+    """A copy of the installed verl files that patches/verl/0.9.1 touches, with the set applied."""
+    ps = installed_copy("verl", tmp_path_factory.mktemp("site"))
+    assert ps.apply() == sorted(ps.patches)
+    assert {fp.path for file_patches in ps.patches.values() for fp in file_patches} == \
+        {f"{(ROLLOUT + name).replace('.', '/')}.py" for name in PATCHED}
+    return ps.root
 
 
 @pytest.fixture(scope="module")
-def patched_verl(tmp_path_factory) -> SimpleNamespace:
-    """verl's SGLang rollout modules as `qurl patch apply --target verl` leaves them (patches/verl/0.9.1), from a
-    patched copy of the installed files, in sys.modules for this module's tests; the venv's verl stays as
-    published."""
-    ps = installed_copy("verl", tmp_path_factory.mktemp("site"))
-    assert ps.apply() == sorted(ps.patches)
-    files = {(ROLLOUT + name).replace(".", "/") + ".py": name for name in PATCHED}
-    assert set(files) == {fp.path for file_patches in ps.patches.values() for fp in file_patches}
-    modules = {}
+def patched_verl(patched_site) -> SimpleNamespace:
+    """verl's SGLang rollout modules, patched, in sys.modules for this module's tests."""
     with pytest.MonkeyPatch.context() as mp:
-        for path, name in files.items():
-            spec = importlib.util.spec_from_file_location(ROLLOUT + name, ps.root / path)
-            modules[name] = importlib.util.module_from_spec(spec)
-            mp.setitem(sys.modules, ROLLOUT + name, modules[name])
-            spec.loader.exec_module(modules[name])
-        yield SimpleNamespace(**modules)
-
-
-def cpu_server_env(monkeypatch) -> None:
-    """What verl's server needs on this CPU machine: SGLang's CPU engine, and the visible-devices variable the
-    server sets for its process restored after the test."""
-    from verl.utils.device import get_visible_devices_keyword
-
-    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
-    devices = get_visible_devices_keyword()
-    monkeypatch.setenv(devices, os.environ.get(devices, ""))
-
-
-def sglang_server(patched_verl, rollout: RolloutConfig, model: HFModelConfig):
-    from verl.workers.rollout.replica import RolloutMode
-
-    return patched_verl.async_sglang_server.SGLangHttpServer(
-        rollout, model, RolloutMode.HYBRID, workers=[], replica_rank=0, node_rank=0, nnodes=1, cuda_visible_devices="",
-        base_gpu_id=0)
+        yield patched_rollout(patched_site, partial(mp.setitem, sys.modules))
 
 
 def test_rollout_engine_kwargs_reach_sglang_server_args(monkeypatch, tiny_llama, patched_verl):
@@ -213,11 +191,14 @@ def test_rollout_engine_kwargs_reach_sglang_server_args(monkeypatch, tiny_llama,
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.entrypoints.http_server import Engine
     from sglang.srt.layers import quantization
+    from verl.utils.device import get_visible_devices_keyword
 
     from qurl_mcore.sglang.config import CONFIGS
     from qurl_mcore.sglang.options import QurlOptions
 
-    cpu_server_env(monkeypatch)
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    devices = get_visible_devices_keyword()  # the server sets it for its process: restored after the test
+    monkeypatch.setenv(devices, os.environ.get(devices, ""))
     monkeypatch.setattr(plugins, "_plugins_loaded", False)  # a fresh server process: nothing loaded yet
     for method in CONFIGS:
         monkeypatch.delitem(quantization.QUANTIZATION_METHODS, method, raising=False)
@@ -232,8 +213,7 @@ def test_rollout_engine_kwargs_reach_sglang_server_args(monkeypatch, tiny_llama,
     override = QurlOptions.parse("qurl_int8", {"scope": "all"}).override_args()
     sglang_kwargs = {"quantization": "qurl_int8", "json_model_override_args": json.dumps(override),
                      "device": "cpu", "attention_backend": "torch_native"}  # the last two: this CPU machine
-    rollout = RolloutConfig(name="sglang", tensor_model_parallel_size=1, engine_kwargs={"sglang": sglang_kwargs})
-    server = sglang_server(patched_verl, rollout, HFModelConfig(path=tiny_llama))
+    server = sglang_server(patched_verl, sglang_kwargs, tiny_llama)
     with pytest.raises(Launch) as launched:
         asyncio.run(server.launch_server())
     server_args = launched.value.args[0]
@@ -246,3 +226,141 @@ def test_rollout_engine_kwargs_reach_sglang_server_args(monkeypatch, tiny_llama,
     assert (server_args.quantization, model.quantization) == ("qurl_int8", "qurl_int8")
     assert model.hf_config.quantization_config == override["quantization_config"]
     assert quantization.get_quantization_config(model.quantization) is CONFIGS["qurl_int8"]
+
+
+@pytest.mark.slow  # a real engine: `make test`, not test-fast
+def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patched_site, patched_verl, monkeypatch,
+                                                              tmp_path):
+    """Patched, verl 0.9.1 runs SGLang 0.5.23 with our plugin: its SGLangHttpServer.launch_server, in a process of
+    its own as in a verl run (verl_server.py), starts a CPU engine with `quantization: qurl_int8` and verl's
+    default `load_format: dummy`; its ServerAdapter.update_weights, here, pushes weights in SGLang's update
+    session. After each push the engine serves the quantized reference of a checkpoint holding the pushed
+    weights (re-quantized at the session's end) and is tagged with verl's global_steps; a push that fails midway
+    still closes the session and tags the engine `incomplete:<steps>`; pushing the checkpoint again restores the
+    first push's engine bitwise.
+
+    Stand-ins for what a CPU host without Ray or CUDA lacks: the ServerAdapter gets the server's address as its
+    Ray lookup would (`_init_server_adapter`) and records the global_steps it would send the server's actor,
+    verl's device (it has no CPU platform) is the CPU, and each bucket travels as CPU shared memory (`cpu_ipc`)."""
+    import selectors
+    import signal
+    import subprocess
+    import time
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+    from torch.distributed.device_mesh import init_device_mesh
+    from verl.workers.config import CheckpointEngineConfig
+
+    from qurl_mcore.rollout import EngineConfig, HttpEngine
+    from qurl_mcore.transfer import free_port
+
+    from ..sglang.conftest import checkpoint_tensors, prompt_ids, score, write_checkpoint
+    from ..sglang.reference import reference_model, token_logprobs
+
+    monkeypatch.setenv("RANK", "0")  # what Ray sets for verl's rollout worker
+    monkeypatch.setenv("RAY_LOCAL_WORLD_SIZE", "1")
+    sr = patched_verl.sglang_rollout
+    monkeypatch.setattr(sr, "get_device_id", lambda: "cpu")
+
+    async def cpu_ipc(engine, params_batch, device_mesh_key, device_mesh, load_format=None):
+        """SGLang's `weight_sync.utils.update_weights`, which verl calls per bucket, for one TP rank and CPU
+        tensors: SGLang's helper rewrites torch's tensor pickling for CUDA IPC (device -> GPU uuid, patch_torch.py)
+        and fails on a CPU tensor, so here the bucket is pickled plainly, storages as shared-memory files."""
+        assert device_mesh[device_mesh_key].size() == 1
+        req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[MultiprocessingSerializer.serialize(
+            params_batch)], load_format=load_format)
+        return await engine.update_weights_from_tensor(req)
+
+    monkeypatch.setattr(sr, "sgl_update_weights", cpu_ipc)
+
+    # the engine of tests/sglang: fp32 activations, every request computes all its tokens
+    engine = EngineConfig(tiny_llama, "qurl_int8", {"scope": "all"}, device="cpu", dtype="float32",
+                          mem_fraction_static=0.2, max_total_tokens=4096, context_length=1024,
+                          extra={"disable_radix_cache": True})
+    sglang_kwargs = {k: v for k, v in engine.engine_kwargs().items() if k != "model_path"}
+    sglang_kwargs["enable_memory_saver"] = False  # verl turns it on; it releases GPU memory, needs torch_memory_saver
+    rollout = RolloutConfig(name="sglang", tensor_model_parallel_size=1, engine_kwargs={"sglang": sglang_kwargs},
+                            checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=1))
+    model = HFModelConfig(path=tiny_llama)
+
+    original = checkpoint_tensors(tiny_llama)
+    gen = torch.Generator().manual_seed(1)
+    noisy = {k: (v.float() + 0.2 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
+             for k, v in original.items() if k.startswith("model.layers.0.") and k.endswith("proj.weight")}
+    noisy["model.embed_tokens.weight"] = original["model.embed_tokens.weight"].flip(0)  # 12 MiB: its own bucket
+
+    def failing():
+        """The trainer's weights, failing once the first bucket (the embedding) is full and sent."""
+        yield "model.embed_tokens.weight", noisy["model.embed_tokens.weight"]
+        yield "model.layers.0.self_attn.q_proj.weight", noisy["model.layers.0.self_attn.q_proj.weight"]
+        raise RuntimeError("trainer failed midway")
+
+    async def run(port: int) -> dict:
+        client = HttpEngine(engine, f"http://127.0.0.1:{port}", timeout=120)
+        steps = []
+
+        async def set_global_steps(value):
+            steps.append(value)
+
+        adapter = sr.ServerAdapter(rollout, model, mesh, replica_rank=0)
+        adapter._engine = patched_verl.http_server_engine.AsyncHttpServerAdapter(
+            model_path=model.local_path, host="127.0.0.1", port=port, launch_server=False)
+        adapter.server_actor = SimpleNamespace(set_global_steps=SimpleNamespace(remote=set_global_steps))
+        got = {}
+
+        async def pushed(global_steps: int, weights) -> str:
+            """Push `weights` as verl does at `global_steps`; the engine's weight version after it."""
+            await adapter.update_weights(weights, global_steps=global_steps)
+            return (await asyncio.to_thread(client.model_info))["weight_version"]
+
+        got["loaded"] = await pushed(1, iter(original.items()))  # the first sync replaces the dummy weights
+        ids = prompt_ids(tiny_llama)
+        greedy = (await asyncio.to_thread(client.generate, [ids], {"max_new_tokens": 8, "temperature": 0.0}))[0]
+        got["seq"] = ids + greedy.output_ids
+        got["base"] = await asyncio.to_thread(score, client, got["seq"])
+        got["noisy"] = await pushed(2, iter(noisy.items()))
+        got["pushed"] = await asyncio.to_thread(score, client, got["seq"])
+        with pytest.raises(RuntimeError, match="midway"):
+            await pushed(3, failing())
+        got["failed"] = (await asyncio.to_thread(client.model_info))["weight_version"]
+        got["restored_version"] = await pushed(4, iter(original.items()))  # a new session opens
+        got["restored"] = await asyncio.to_thread(score, client, got["seq"])
+        got["steps"] = steps
+        return got
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tests.integrations.verl_server", str(patched_site), tiny_llama,
+         json.dumps(sglang_kwargs)], cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}, start_new_session=True)
+    sharing = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")  # a server we did not fork cannot take file descriptors: named files
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(server.stdout, selectors.EVENT_READ)
+            deadline, line = time.monotonic() + 300, ""
+            while not line.startswith("PORT ") and server.poll() is None and sel.select(deadline - time.monotonic()):
+                line = server.stdout.readline()
+        assert line.startswith("PORT "), f"verl's server did not start (exit code {server.poll()})"
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
+        got = asyncio.run(run(int(line.split()[1])))
+    finally:
+        dist.destroy_process_group()
+        mp.set_sharing_strategy(sharing)
+        os.killpg(server.pid, signal.SIGKILL)  # the server and its SGLang processes, as Ray ends an actor
+        server.wait()
+
+    def reference(tensors: dict, name: str) -> torch.Tensor:
+        """The quantized reference's log-probs of the sequence, from a checkpoint holding `tensors`."""
+        path = write_checkpoint(tiny_llama, {**original, **tensors}, tmp_path / name)
+        return token_logprobs(reference_model(path, engine.options().spec(), "all", torch.float32), got["seq"])
+
+    assert [got[k] for k in ("loaded", "noisy", "failed", "restored_version", "steps")] == \
+        ["1", "2", "incomplete:3", "4", [1, 2, 4]]
+    assert (got["base"] - reference({}, "checkpoint")).abs().max() < 2e-3  # tolerance: tests/sglang
+    assert not torch.equal(got["pushed"], got["base"])
+    assert (got["pushed"] - reference(noisy, "noisy")).abs().max() < 2e-3
+    assert torch.equal(got["restored"], got["base"])
