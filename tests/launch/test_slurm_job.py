@@ -63,6 +63,18 @@ def _wait_for_checkpoint(ckpt: Path, log: Path, timeout: float = 600) -> None:
         time.sleep(1)
 
 
+def _requeued_once_to_completion(job_id: str, ckpt: Path, log: Path) -> str:
+    """Once the run's first checkpoint is written, signal the job as Slurm does its --signal grace period before
+    the time limit; the job must requeue once and complete. Returns its log."""
+    _wait_for_checkpoint(ckpt, log)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+    _release_when_requeued(job_id)
+    fields = _wait_for(job_id, timeout=600)
+    text = log.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0" and fields["Restarts"] == "1", text
+    return text
+
+
 def _wait_for(job_id: str, timeout: float = 300) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -131,13 +143,7 @@ def test_cpu_demo_checkpoints_on_the_time_limit_signal_requeues_and_resumes(sbat
     script, job_id = sbatch(job)
     assert f"checkpoint.dir={ckpt}" in script.read_text()  # the rendered command, not one written for the test
     log = tmp_path / "logs" / f"qurl-demo-{job_id}.out"
-    _wait_for_checkpoint(ckpt, log)
-    # what Slurm sends --signal's grace period before the time limit
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
-    _release_when_requeued(job_id)
-    fields = _wait_for(job_id, timeout=600)
-    text = log.read_text()
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0" and fields["Restarts"] == "1", text
+    text = _requeued_once_to_completion(job_id, ckpt, log)
     stopped = int(re.search(r"SIGTERM at step (\d+): checkpoint written", text).group(1))
     assert "training exited with status 75" in text  # EXIT_STOPPED, which the job turns into a requeue
     assert 1 <= stopped < DEMO_STEPS, text

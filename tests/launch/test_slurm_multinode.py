@@ -13,7 +13,7 @@ import pytest
 
 from qurl_mcore.loop.checkpoint import latest_checkpoint, read_meta
 from qurl_mcore.slurm import SlurmJob, render, submit
-from tests.launch.test_slurm_job import _release_when_requeued, _wait_for, _wait_for_checkpoint
+from tests.launch.test_slurm_job import _requeued_once_to_completion
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "launch" / "slurm" / "local_cluster.sh"
@@ -62,12 +62,7 @@ def test_disaggregated_job_spans_two_slurm_nodes_and_requeues(slurm_nodes, tmp_p
     script, job_id = submit(job)
     assert "layout=disaggregated" in script.read_text()  # the nodes' tags and the run's placement agree
     log = tmp_path / "logs" / f"qurl-2n-{job_id}.out"
-    _wait_for_checkpoint(ckpt, log)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
-    _release_when_requeued(job_id)
-    fields = _wait_for(job_id, timeout=600)
-    text = log.read_text()
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0" and fields["Restarts"] == "1", text
+    text = _requeued_once_to_completion(job_id, ckpt, log)
     # both starts ran on the two nodes, and Ray spanned them: the worker joined the head across the link
     assert text.count(f"on {nodes.env['QURL_NETNS_PREFIX']}-[1-2] at") == 2, text
     ready = re.findall(r"\[ray\] 2/2 nodes up: (.*)", text)
