@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+REQUIREMENTS = Path(__file__).parents[1] / "requirements"
+
 
 def test_tools_come_from_the_projects_environment():
     """A fresh machine has no shellcheck or ray on its PATH: the ones the tests call must be those that
@@ -32,17 +34,36 @@ def test_megatron_adapter_does_not_import_the_rollout_client():
 
 @pytest.mark.slow
 def test_the_gpu_requirement_set_resolves(tmp_path):
-    """requirements/gpu.txt is one set pip can install: resolved against the registry without installing."""
+    """requirements/gpu.txt is one set of binary wheels pip can install: resolved against the registry without
+    installing or building anything (an isolated build of TE's torch extension would pull GBs of CUDA torch)."""
     import json
     import subprocess
 
     report = tmp_path / "report.json"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                           "--report", str(report), "-r", str(Path(__file__).parents[1] / "requirements/gpu.txt")],
+                           "--only-binary", ":all:", "--report", str(report), "-r", str(REQUIREMENTS / "gpu.txt")],
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
-    got = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
+    got = {_canonical(item["metadata"]["name"]): item["metadata"]["version"]
            for item in json.loads(report.read_text())["install"]}
     want = {"torch": "2.14.1", "sglang": "0.5.23", "sglang-kernel": "0.4.10", "transformers": "5.19.0",
-            "megatron-core": "0.16.1", "transformer-engine": "2.11.0", "ray": "2.60.0"}
+            "megatron-core": "0.16.1", "transformer-engine": "2.11.0", "transformer-engine-cu13": "2.11.0",
+            "ray": "2.60.0"}
     assert {k: got.get(k) for k in want} == want
+
+
+def test_the_te_extension_matches_the_gpu_set():
+    """Step 2 (requirements/gpu-te.txt) builds TE's torch extension at the version of step 1's TE core."""
+    from packaging.requirements import Requirement
+
+    def pins(name: str) -> dict[str, str]:
+        reqs = [Requirement(line) for line in (REQUIREMENTS / name).read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+        return {_canonical(r.name): str(r.specifier) for r in reqs}
+
+    assert pins("gpu-te.txt") == {"transformer-engine": pins("gpu.txt")["transformer-engine"]} == {
+        "transformer-engine": "==2.11.0"}
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-")
