@@ -6,7 +6,7 @@ run:
 	.venv/bin/qurl train --config launch/configs/cpu_demo.yaml
 test:
 	bash launch/setup_env.sh --with-test
-	.venv/bin/python -m pytest -q --durations=25 tests
+	.venv/bin/python -m pytest -q --durations=60 tests
 test-fast:
 	bash launch/setup_env.sh --with-test
 	.venv/bin/python -m pytest -q -m "not slow" tests

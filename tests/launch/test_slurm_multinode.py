@@ -2,10 +2,12 @@
 its own node name and address, slurmctld on this machine (launch/slurm/local_cluster.sh --netns). The job of
 `qurl launch slurm --nodes 2 --layout disaggregated --rollout-nodes 1` starts the Ray head on node 1 and a worker
 on node 2, trains on node 1 and rolls out on node 2 (tiny Llama, eight short steps), gets the time-limit signal after
-a checkpoint, requeues itself and resumes to completion: test_slurm_job.py's one-node path, across nodes."""
+a checkpoint, requeues itself and resumes to completion. (test_slurm_job.py: the one-node job's success and failure.)"""
+import json
 import re
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 
 from qurl_mcore.loop.checkpoint import latest_checkpoint, read_meta
 from qurl_mcore.slurm import SlurmJob, render, submit
-from tests.launch.test_slurm_job import _requeued_once_to_completion
+from tests.launch.test_slurm_job import _job_fields, _wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "launch" / "slurm" / "local_cluster.sh"
@@ -60,7 +62,8 @@ def test_disaggregated_job_spans_two_slurm_nodes_and_requeues(slurm_nodes, tmp_p
                    workdir=str(ROOT), venv=str(Path(sys.executable).parent.parent), job_name="qurl-2n",
                    log_dir=str(tmp_path / "logs"), ckpt_dir=str(ckpt), object_store_bytes=256 * 2**20)
     script, job_id = submit(job)
-    assert "layout=disaggregated" in script.read_text()  # the nodes' tags and the run's placement agree
+    rendered = script.read_text()  # the rendered command, not one written for the test
+    assert "layout=disaggregated" in rendered and f"checkpoint.dir={ckpt}" in rendered
     log = tmp_path / "logs" / f"qurl-2n-{job_id}.out"
     text = _requeued_once_to_completion(job_id, ckpt, log)
     # both starts ran on the two nodes, and Ray spanned them: the worker joined the head across the link
@@ -75,4 +78,44 @@ def test_disaggregated_job_spans_two_slurm_nodes_and_requeues(slurm_nodes, tmp_p
     assert "Kill job error" not in text  # the SIGTERM went to the training step's node alone
     assert text.index("checkpoint written") < text.index("requeueing job")
     assert f"resuming at step {stopped} from {ckpt}" in text
-    assert read_meta(latest_checkpoint(ckpt))["step"] == STEPS
+    final = latest_checkpoint(ckpt)  # the newest checkpoint that verifies against its checksums
+    assert read_meta(final)["step"] == STEPS and (final / "rank0.pt").stat().st_size > 0
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # one row a step across the requeue
+
+
+def _wait_for_checkpoint(ckpt: Path, log: Path, timeout: float = 600) -> None:
+    """Until the job's run has written its first checkpoint (step 1 done and saved); fails at once if the
+    training step exited."""
+    deadline = time.monotonic() + timeout
+    while latest_checkpoint(ckpt) is None:
+        text = log.read_text() if log.exists() else ""
+        assert "training exited" not in text, text[-4000:]
+        assert time.monotonic() < deadline, f"no checkpoint within {timeout:.0f} s:\n" + text[-4000:]
+        time.sleep(1)
+
+
+def _requeued_once_to_completion(job_id: str, ckpt: Path, log: Path) -> str:
+    """Once the run's first checkpoint is written, signal the job as Slurm does its --signal grace period before
+    the time limit; the job must requeue once and complete. Returns its log."""
+    _wait_for_checkpoint(ckpt, log)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+    _release_when_requeued(job_id)
+    fields = _wait_for(job_id, timeout=600)
+    text = log.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0" and fields["Restarts"] == "1", text
+    return text
+
+
+def _release_when_requeued(job_id: str, timeout: float = 300) -> None:
+    """Slurm holds a requeued job back for about two minutes (its BeginTime); start it now instead."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fields = _job_fields(job_id)
+        if fields.get("Restarts") == "1" and fields.get("JobState") == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+            return
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
+            return  # never requeued: the assertions that follow say why
+        time.sleep(1)
+    pytest.fail(f"job {job_id} was not requeued within {timeout} s")
