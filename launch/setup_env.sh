@@ -12,7 +12,7 @@ want_test=0
 [[ "${1:-}" == "--with-test" ]] && want_test=1
 
 reqs=("$ROOT"/requirements/{cpu,models,sglang-cpu,sglang-nodeps}.txt "$ROOT/setup.py" "$0")
-(( want_test )) && reqs+=("$ROOT"/requirements/{test,verl-nodeps}.txt)
+(( want_test )) && reqs+=("$ROOT"/requirements/{test,verl-nodeps,slime-sglang}.txt)
 stamp_value=$(cat "${reqs[@]}" | sha256sum | cut -d' ' -f1)
 stamp_file="$VENV/.qurl-stamp-$want_test"
 
@@ -48,6 +48,9 @@ printf '%s\nimport tv_cpu_shim\n' "$ROOT/patches/cpu/site" > "$site/qurl_cpu_shi
 if (( want_test )); then
   pip_install -r "$ROOT/requirements/test.txt"
   pip_install --no-deps -r "$ROOT/requirements/verl-nodeps.txt"  # verl's pins would move transformers (the file says)
+  # slime's SGLang beside ours, for one test's subprocess (the file says)
+  rm -rf "$VENV/slime-sglang"
+  pip_install --no-deps --target "$VENV/slime-sglang" -r "$ROOT/requirements/slime-sglang.txt"
 fi
 PYTHONWARNINGS=ignore pip_install --no-deps -e "$ROOT"  # setuptools warns about editable installs in general
 # -W ignore: megatron-core and SGLang warn on import about optional GPU packages (TE, Apex, kernels) a CPU

@@ -13,16 +13,18 @@ __all__ = ["METHODS", "QurlOptions", "register"]
 
 def register() -> None:
     """Add the qurl methods to SGLang's registries and its `--quantization` choices, complete the CPU engine
-    (cpu.py), and bind the process's rendezvous stores to their address (transfer.py). Idempotent."""
-    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
+    (cpu.py), give an SGLang without weight-update sessions one per update call (session.py), and bind the
+    process's rendezvous stores to their address (transfer.py). Idempotent."""
     from sglang.srt.layers import quantization as q
+    from sglang.srt.server_args import QUANTIZATION_CHOICES  # where 0.5.15 (slime's image) and 0.5.23 both have it
 
     from qurl_mcore.transfer import bind_stores_to_their_address
 
-    from . import cpu
+    from . import cpu, session
     from .config import CONFIGS
 
     cpu.register()
+    session.register()  # an SGLang without weight-update sessions (0.5.15): each update call becomes one
     bind_stores_to_their_address()  # the scheduler's rendezvous store listens on 127.0.0.1, not everywhere
 
     for method, cls in CONFIGS.items():

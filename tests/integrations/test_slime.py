@@ -419,3 +419,42 @@ def test_engine_args_reach_sglang_and_the_plugin_loads_there():
     assert server.quantization == "qurl_int8"
     func, dist = load_plugins_by_group(GENERAL_PLUGINS_GROUP)["qurl"]
     assert func is qurl_mcore.sglang.register and dist == "qurl-mcore"
+
+
+@pytest.mark.slow
+def test_the_plugin_serves_and_refits_in_slimes_sglang(tmp_path):
+    """slime's image pins SGLang 0.5.15.post1 (docker/Dockerfile:1). In a subprocess with that SGLang first on
+    the path (requirements/slime-sglang.txt), SGLang's plugin loader finds our entry point in the engine and its
+    scheduler, and each case's engine computes the quantized reference forward at load, after a partial push
+    of new weights (re-quantized on arrival) and, bitwise its load-time self, after the originals are pushed
+    back (tolerance: tests/sglang/test_engine_numerics.py)."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from qurl_mcore.sglang import QurlOptions
+    from tests.integrations.slime_sglang import CASES, noisy_layer0
+    from tests.sglang.conftest import checkpoint_tensors, model_path, write_checkpoint
+    from tests.sglang.reference import reference_model, token_logprobs
+
+    root = Path(__file__).parents[2]
+    slime_sglang = Path(sys.executable).parents[1] / "slime-sglang"
+    assert (slime_sglang / "sglang").is_dir(), f"{slime_sglang}: missing; run bash launch/setup_env.sh --with-test"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(slime_sglang), str(root)])}
+    done = subprocess.run([sys.executable, "-m", "tests.integrations.slime_sglang"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert done.returncode == 0 and line, (done.stdout + done.stderr)[-4000:]
+    result = json.loads(line[len("RESULT "):])
+    assert result["sglang"] == "0.5.15.post1"
+    for case, (model, method, options) in zip(result["cases"], CASES, strict=True):
+        opts = QurlOptions.parse(method, options)
+        path = model_path(model)
+        original = checkpoint_tensors(path)
+        for key, weights in (("base", path), ("noisy", write_checkpoint(path, noisy_layer0(original),
+                                                                        tmp_path / f"{method}-noisy"))):
+            want = token_logprobs(reference_model(weights, opts.spec(), opts.scope, torch.float32), case["seq"])
+            diff = (torch.tensor(case[key]) - want).abs().max()
+            assert diff < 2e-3, f"{method} {key}: max |Δ| {diff:.2e}"
+        assert case["noisy"] != case["base"] and case["restored"] == case["base"], method

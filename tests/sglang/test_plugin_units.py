@@ -142,3 +142,15 @@ def test_batched_experts_equal_the_routed_token_by_token_layer(method, fmt):
     torch.testing.assert_close(got, _routed_reference(x, p, ids, w13, w2, spec), rtol=1e-5, atol=1e-5)
     compiled = torch.compile(experts_forward, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x, p, ids, s13, s2, spec), got, rtol=0, atol=0)
+
+
+def test_the_session_shim_stays_off_where_sglang_has_sessions():
+    """SGLang 0.5.23 has weight-update sessions of its own: session.py hooks nothing there (on 0.5.15 it does:
+    tests/integrations/test_slime.py::test_the_plugin_serves_and_refits_in_slimes_sglang)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from qurl_mcore.sglang import register, session
+
+    register()
+    assert session.sglang_has_sessions()
+    assert not [t for t in HookRegistry._hooks if t.startswith(session.RUNNER)]
