@@ -125,6 +125,8 @@ def quantized_linear(
 ) -> torch.Tensor:
     """Inference: Y = Q̃_fwd(X)·Q(W)ᵀ + b with an already quantized weight (no autograd)."""
     x2 = x.reshape(-1, x.shape[-1])
+    if not x2.shape[0]:  # no tokens (an expert none was routed to): nothing to quantize
+        return x.new_empty(*x.shape[:-1], weight_q.shape[0])
     y, _ = _forward(x2, weight_q, spec, keep_residual=False)
     return _add_bias(y, bias).to(x.dtype).reshape(*x.shape[:-1], -1)
 
@@ -134,10 +136,13 @@ class QuantLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, spec: QuantLinearSpec):
-        ctx.spec, ctx.has_bias = spec, bias is not None
+        ctx.spec = spec
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         x2 = x.reshape(-1, x.shape[-1])
-        if not spec.quantized:
+        # No tokens (an MoE expert none was routed to in this micro-batch): Y is empty and dW = 0, as the
+        # plain linear gives; there is no activation to quantize (a per-tensor scale of nothing is undefined).
+        ctx.quantized, ctx.has_bias = spec.quantized and x2.shape[0] > 0, bias is not None
+        if not ctx.quantized:
             ctx.save_for_backward(x2, weight)
             return torch.nn.functional.linear(x, weight, bias)
         wq = quantize_weight(weight, spec)
@@ -151,12 +156,12 @@ class QuantLinearFunction(torch.autograd.Function):
         spec = ctx.spec
         x_saved, w_saved = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        if spec.quantized:
+        if ctx.quantized:
             gparts = _quantize_activation(g2.to(torch.float32), spec, spec.grad_granularity, spec.rc_backward)
             gq = _dequantized_sum(gparts)
         else:
             gq = g2
-        grad_x = (gq @ w_saved).to(ctx.x_dtype).reshape(*grad_out.shape[:-1], -1)
+        grad_x = (gq @ w_saved).to(ctx.x_dtype).reshape(*grad_out.shape[:-1], w_saved.shape[1])
         grad_w = (gq.t() @ x_saved).to(ctx.w_dtype)
         grad_b = g2.sum(0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None

@@ -52,6 +52,25 @@ def test_forward_and_backward_follow_the_formulas(mode, fmt):
     torch.testing.assert_close(b.grad, rdb)
 
 
+@pytest.mark.parametrize("mode", ["naive", "rc_both"])
+@pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
+def test_no_tokens_give_an_empty_output_and_a_zero_weight_gradient(mode, fmt):
+    """An MoE expert that no token of a micro-batch was routed to still runs (Megatron's SequentialMLP calls
+    every local expert): Y is [0, out] and dW = 0, as for the plain linear. (Found by the MoE study: an FP4
+    run stopped at step 5 with "cannot quantize an empty tensor of shape (0, 128)".)"""
+    spec = make_spec(mode, fmt, backend="emulated")
+    x = torch.randn(0, 64, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    b = torch.randn(32, requires_grad=True)
+    y = quant_linear(x, w, b, spec=spec)
+    assert y.shape == (0, 32)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+    assert x.grad.shape == (0, 64)
+    served = quantized_linear(torch.randn(2, 0, 64), quantize_weight(w.detach(), spec), b.detach(), spec)
+    assert served.shape == (2, 0, 32) and served.dtype == torch.float32
+
+
 def test_modes_differ_where_they_should():
     x, w, g = torch.randn(16, 64), torch.randn(8, 64), torch.randn(16, 8)
     outs = {}
