@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.utils import canonicalize_name as _canonical
 
 REQUIREMENTS = Path(__file__).parents[1] / "requirements"
 
@@ -63,7 +64,3 @@ def test_the_te_extension_matches_the_gpu_set():
 
     assert pins("gpu-te.txt") == {"transformer-engine": pins("gpu.txt")["transformer-engine"]} == {
         "transformer-engine": "==2.11.0"}
-
-
-def _canonical(name: str) -> str:
-    return name.lower().replace("_", "-")

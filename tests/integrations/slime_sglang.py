@@ -12,13 +12,6 @@ import torch
 CASES = [("qwen3_moe", "qurl_int8", {"scope": "all"}), ("qwen3_moe", "qurl_fp4_rc", {"fmt": "mxfp4"})]
 
 
-def noisy_layer0(original: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Layer 0's projections moved by 0.2 of their std (seeded): a push the engine must re-quantize."""
-    gen = torch.Generator().manual_seed(1)
-    return {k: (v.float() + 0.2 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
-            if k.startswith("model.layers.0.") and k.endswith("proj.weight") else v for k, v in original.items()}
-
-
 def push(engine, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
     """One `update_weights_from_tensor` call per bucket, the call slime's colocated push makes (no session:
     SGLang 0.5.15 has none)."""
@@ -30,7 +23,7 @@ def push(engine, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
 def main() -> None:
     import sglang
 
-    from tests.sglang.conftest import checkpoint_tensors, local_engine, model_path, prompt_ids, score
+    from tests.sglang.conftest import checkpoint_tensors, local_engine, model_path, noisy_layer0, prompt_ids, score
 
     cases = []
     for model, method, options in CASES:

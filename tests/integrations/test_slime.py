@@ -434,8 +434,8 @@ def test_the_plugin_serves_and_refits_in_slimes_sglang(tmp_path):
     from pathlib import Path
 
     from qurl_mcore.sglang import QurlOptions
-    from tests.integrations.slime_sglang import CASES, noisy_layer0
-    from tests.sglang.conftest import checkpoint_tensors, model_path, write_checkpoint
+    from tests.integrations.slime_sglang import CASES
+    from tests.sglang.conftest import checkpoint_tensors, model_path, noisy_layer0, write_checkpoint
     from tests.sglang.reference import reference_model, token_logprobs
 
     root = Path(__file__).parents[2]

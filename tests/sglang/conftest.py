@@ -49,6 +49,13 @@ def score(engine, ids: list[int]) -> torch.Tensor:
     return torch.tensor(g.prompt_logprobs, dtype=torch.float32)
 
 
+def noisy_layer0(original: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Layer 0's projections moved by 0.2 of their std (seeded): a push the engine must re-quantize."""
+    gen = torch.Generator().manual_seed(1)
+    return {k: (v.float() + 0.2 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
+            if k.startswith("model.layers.0.") and k.endswith("proj.weight") else v for k, v in original.items()}
+
+
 def write_checkpoint(src: str, tensors: dict[str, torch.Tensor], dst) -> str:
     """A copy of checkpoint `src` with its tensors replaced by `tensors` (for the reference model)."""
     import shutil

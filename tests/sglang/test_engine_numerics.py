@@ -19,7 +19,7 @@ import torch
 
 from qurl_mcore.sglang import QurlOptions
 
-from .conftest import checkpoint_tensors, local_engine, model_path, prompt_ids, score, write_checkpoint
+from .conftest import checkpoint_tensors, local_engine, model_path, noisy_layer0, prompt_ids, score, write_checkpoint
 from .reference import reference_model, token_logprobs
 
 pytestmark = pytest.mark.slow  # real engines, process groups or Slurm jobs: `make test`, not test-fast
@@ -106,9 +106,7 @@ def test_push_partial_bucketed_then_restore(served, tmp_path):
         pytest.skip("refits are checked for every method on the tiny MoE; on SmolLM2 for INT8 (suite time)")
     engine, path = served["engine"], served["path"]
     original = checkpoint_tensors(path)
-    gen = torch.Generator().manual_seed(1)
-    noisy = {k: (v.float() + 0.2 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
-             if k.startswith("model.layers.0.") and k.endswith("proj.weight") else v for k, v in original.items()}
+    noisy = noisy_layer0(original)
     changed = [(k, v) for k, v in noisy.items() if v is not original[k]]
     assert changed
     # partial: only layer 0, in buckets small enough to split it several times
