@@ -183,10 +183,21 @@ def _align(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .megatron.export import export_checkpoint
+    from pathlib import Path
 
+    from .megatron.export import export_checkpoint, unscale_hf_checkpoint
+
+    src = Path(args.checkpoint)
+    hf_dir = (src / "config.json").is_file() and not (src / "meta.json").is_file()
     try:
-        out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
+        if args.uaq_scale is not None and not hf_dir:
+            raise ValueError(f"{src}: --uaq-scale is for an HF checkpoint directory (slime's --save-hf); a qurl "
+                             "checkpoint records its own UAQ factor: leave --uaq-scale out")
+        if hf_dir and args.uaq_scale is None:
+            raise ValueError(f"{src} is an HF checkpoint (config.json, no meta.json): pass --uaq-scale S, the UAQ "
+                             "factor its run trained with (slime: qurl_uaq_scale), to write it unscaled")
+        out = (unscale_hf_checkpoint(src, args.out, args.uaq_scale) if hf_dir
+               else export_checkpoint(src, args.out, dtype=args.dtype))
     except (OSError, ValueError) as err:
         print(f"qurl export: {err}")
         return 2
@@ -238,7 +249,8 @@ def _compare(args: argparse.Namespace) -> int:
         variants = [parse_variant(item) for item in args.configs]
         done = compare(variants, args.seeds, Path(args.out), base=Path(args.base) if args.base else None,
                        overrides=args.set, last=args.last, report_only=args.report_only,
-                       drop_checkpoints=args.drop_checkpoints, say=lambda line: print(f"qurl compare: {line}"))
+                       drop_checkpoints=args.drop_checkpoints, jobs=args.jobs,
+                       say=lambda line: print(f"qurl compare: {line}"))
     except (ConfigError, ValueError, OSError) as err:
         print(f"qurl compare: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -251,7 +263,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _add_compare(sub) -> None:
     from .compare import __doc__ as doc
 
-    p = sub.add_parser("compare", help="several configs x seeds, one after another; curves with their spread and a "
+    p = sub.add_parser("compare", help="several configs x seeds, --jobs at once; curves with their spread and a "
                                        "final table (docs/studies.md)",
                        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("configs", nargs="+", metavar="CONFIG[:LABEL]", help="qurl train YAML files (partial ones with "
@@ -263,6 +275,8 @@ def _add_compare(sub) -> None:
                    help="overrides for every run, e.g. steps=4")
     p.add_argument("--last", type=_positive, default=4, help="the table averages each run's last K steps (default 4)")
     p.add_argument("--report-only", action="store_true", help="write the report from the runs so far, run nothing")
+    p.add_argument("--jobs", type=_positive, default=1,
+                   help="runs at once (default 1); with RAY_ADDRESS, the cluster must have room for them all")
     p.add_argument("--drop-checkpoints", action="store_true",
                    help="delete a run's checkpoints once it finished (a later, longer config then redoes it)")
     p.set_defaults(func=_compare)
@@ -332,7 +346,8 @@ def _add_align(sub) -> None:
                    f"the engine's routing) (default: {', '.join(ROWS)})")
     p.add_argument("--scope", choices=list(SCOPES), default="experts", help="quantized linears (default: experts)")
     p.add_argument("--fmt", choices=FP4_FORMATS, default="nvfp4", help="FP4 format (default: nvfp4)")
-    p.add_argument("--prompts", type=_positive, default=4, help=f"fixed prompts to sample from, 1-{len(PROMPTS)} (default 4)")
+    p.add_argument("--prompts", type=_positive, default=4,
+                   help=f"fixed prompts to sample from, 1-{len(PROMPTS)} (default 4)")
     p.add_argument("--max-new-tokens", type=_positive, default=32, help="response length (default 32)")
     p.add_argument("--seed", type=int, default=0, help="rollout engine's sampling seed (default 0)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -375,10 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     _add_plan(sub)
     _add_eval(sub)
     _add_compare(sub)
-    exp = sub.add_parser("export", help="a run's checkpoint as an HF checkpoint (transformers, SGLang load it)")
+    exp = sub.add_parser("export", help="a run's checkpoint as an HF checkpoint (transformers, SGLang load it), "
+                                        "or a UAQ-scaled HF checkpoint unscaled")
     exp.add_argument("checkpoint", help="a checkpoint step directory, or a checkpoint.dir (its newest valid one)")
     exp.add_argument("out", help="the HF checkpoint directory to write")
-    exp.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    exp.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                     help="of a qurl checkpoint's export (an HF directory keeps its tensors' dtypes)")
+    exp.add_argument("--uaq-scale", type=float, default=None, metavar="S",
+                     help="CHECKPOINT is an HF directory saved UAQ-scaled by S (slime's --save-hf with uaq_hook): "
+                          "write it unscaled")
     exp.set_defaults(func=_export)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -8,6 +8,9 @@ weights compute the function of the model as trained, in its usual parameterisat
 
 `export_checkpoint` does the same from a run's checkpoint directory, on the CPU, in as many processes as the
 run had trainer ranks (each loads its own file).
+
+`unscale_hf_checkpoint` undoes UAQ in an HF checkpoint written by someone else's loop from a UAQ-scaled model
+(slime's `--save-hf` of a run with `uaq_hook`, docs/integrations.md), which records no UAQ factor itself.
 """
 from __future__ import annotations
 
@@ -22,6 +25,21 @@ _MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
 
 
+def _fresh_partial(out: Path) -> Path:
+    """An empty `<out>.partial` to write into; `_commit` makes it `out`, so `out` appears whole or not at all."""
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def _commit(partial: Path, out: Path) -> Path:
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)
+    return out
+
+
 def write_hf_checkpoint(model, source_dir: str | Path, out_dir: str | Path, *, uaq_scale: float | None = None,
                         dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 2 << 30) -> Path | None:
     """Write `model` (this rank's shards; every rank calls this) as an HF checkpoint in `out_dir`, with the
@@ -34,10 +52,7 @@ def write_hf_checkpoint(model, source_dir: str | Path, out_dir: str | Path, *, u
 
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(out_dir)
-    partial = out.with_name(out.name + ".partial")
-    if rank0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+    partial = _fresh_partial(out) if rank0 else None
     weight_map: dict[str, str] = {}
     unscale = None if uaq_scale is None else 1.0 / uaq_scale
     for k, bucket in enumerate(export_hf_weights(model, source_dir, bucket_bytes=bucket_bytes, dtype=dtype,
@@ -57,10 +72,42 @@ def write_hf_checkpoint(model, source_dir: str | Path, out_dir: str | Path, *, u
     config = json.loads((partial / "config.json").read_text())
     config["dtype"] = str(dtype).removeprefix("torch.")
     (partial / "config.json").write_text(json.dumps(config, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    partial.rename(out)  # whole or absent, like the checkpoints
-    return out
+    return _commit(partial, out)  # whole or absent, like the checkpoints
+
+
+def unscale_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, uaq_scale: float) -> Path:
+    """Rewrite `hf_dir`, an HF checkpoint in the UAQ parameterisation with factor s = `uaq_scale`, into
+    `out_dir` in the model's usual one: each tensor times s^-k, k its role's exponent
+    (`qurl_mcore.uaq.uaq_scale_hf` with 1/s), computed in fp32 and stored in the tensor's own dtype. One
+    safetensors file at a time; every other file is copied; `out_dir` appears whole or not at all."""
+    from safetensors.torch import load_file, save_file
+
+    from qurl_mcore.uaq import hf_role, uaq_scale_hf
+
+    src, out = Path(hf_dir), Path(out_dir)
+    if not uaq_scale > 0:
+        raise ValueError(f"--uaq-scale {uaq_scale}: the UAQ factor s is positive (the run's qurl_uaq_scale, e.g. 1.5)")
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{src}: no *.safetensors files; expected an HF checkpoint directory "
+                                "(slime's --save-hf output)")
+    if out.resolve() == src.resolve():
+        raise ValueError(f"{out}: the output must not be the input directory (nothing is overwritten in place)")
+    partial = _fresh_partial(out)
+    rescaled = 0
+    for f in files:
+        state = load_file(str(f))
+        rescaled += sum(hf_role(n) is not None for n in state)
+        save_file({n: uaq_scale_hf(n, t, 1.0 / uaq_scale).contiguous() for n, t in state.items()},
+                  str(partial / f.name), metadata={"format": "pt"})
+    if not rescaled:
+        shutil.rmtree(partial)
+        raise ValueError(f"{src}: no tensor has a name UAQ rescales (model.layers.N.input_layernorm.weight, "
+                         "...q_proj.weight, ...): only Llama/Qwen2/Qwen3/Qwen3-MoE checkpoints are UAQ-scaled")
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, partial / f.name)
+    return _commit(partial, out)
 
 
 def _export_rank(rank: int, checkpoint_dir: str, out_dir: str, dtype: str) -> str | None:
