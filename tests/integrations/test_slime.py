@@ -393,6 +393,51 @@ def test_uaq_hook_refuses_what_it_cannot_rescale():
                    [layer], None, None)
 
 
+
+def test_a_uaq_scaled_save_hf_export_comes_out_unscaled(megatron_ws1, tmp_path, capsys):
+    """slime's `--save-hf` (actor.py:589-590) writes the actor as it trains, UAQ-scaled by `uaq_hook`.
+    `qurl export DIR OUT --uaq-scale s` gives back the source checkpoint's weights (to fp32 rounding), which
+    transformers loads with the source's logits; the two misuses of the flag are refused by name."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from qurl_mcore.cli import main
+    from qurl_mcore.megatron import export_hf_weights
+    from qurl_mcore.megatron.convert import read_hf_state
+    from qurl_mcore.megatron.training import build_training
+    from qurl_mcore.models.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint("llama")
+    stack = build_training(_build(path, "int8", calculate_per_token_loss=True), lr=1e-3)
+    S.uaq_hook(_model_args(path, "int8", qurl_uaq_scale=1.5), 0, 0, [stack.ddp], stack.optimizer, None)
+    saved = tmp_path / "save_hf"  # what slime's saver writes: its converters' HF names, the weights as they are
+    saved.mkdir()
+    save_file({n: t.contiguous() for bucket in export_hf_weights(stack.model, path, dtype=torch.float32)
+               for n, t in bucket}, str(saved / "model.safetensors"))
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (saved / f).write_bytes((path / f).read_bytes())
+    source, scaled = read_hf_state(path), read_hf_state(saved)
+    norm = "model.layers.0.input_layernorm.weight"
+    torch.testing.assert_close(scaled[norm], 1.5 * source[norm].float())
+
+    assert main(["export", str(saved), str(tmp_path / "hf"), "--uaq-scale", "1.5"]) == 0
+    unscaled = read_hf_state(tmp_path / "hf")
+    assert unscaled.keys() == source.keys() and all(t.dtype == torch.float32 for t in unscaled.values())
+    for name, tensor in source.items():
+        torch.testing.assert_close(unscaled[name], tensor.float(), rtol=1e-6, atol=1e-7)
+    ids = torch.randint(3, 1000, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() and not (tmp_path / "hf.partial").exists()
+
+    capsys.readouterr()
+    assert main(["export", str(saved), str(tmp_path / "again")]) == 2
+    assert "pass --uaq-scale S" in capsys.readouterr().out and not (tmp_path / "again").exists()
+    assert main(["export", str(tmp_path / "no_checkpoint"), str(tmp_path / "again"), "--uaq-scale", "1.5"]) == 2
+    assert "--uaq-scale is for an HF checkpoint directory" in capsys.readouterr().out
+
 # ---- the rollout side --------------------------------------------------------------------------------------
 
 def test_engine_args_reach_sglang_and_the_plugin_loads_there():
@@ -425,9 +470,10 @@ def test_engine_args_reach_sglang_and_the_plugin_loads_there():
 def test_the_plugin_serves_and_refits_in_slimes_sglang(tmp_path):
     """slime's image pins SGLang 0.5.15.post1 (docker/Dockerfile:1). In a subprocess with that SGLang first on
     the path (requirements/slime-sglang.txt), SGLang's plugin loader finds our entry point in the engine and its
-    scheduler, and each case's engine computes the quantized reference forward at load, after a partial push
-    of new weights (re-quantized on arrival) and, bitwise its load-time self, after the originals are pushed
-    back (tolerance: tests/sglang/test_engine_numerics.py)."""
+    scheduler, and each case's engine computes the quantized reference forward at load and after a partial push
+    of new weights (re-quantized on arrival; tolerance: tests/sglang/test_engine_numerics.py). Each of slime's
+    three pushes reaches the engine: the originals back as flattened buckets, then as tensors, give the
+    load-time log-probs bitwise; the new weights again over a gloo weight group give the tensor push's."""
     import json
     import os
     import subprocess
@@ -457,4 +503,6 @@ def test_the_plugin_serves_and_refits_in_slimes_sglang(tmp_path):
             want = token_logprobs(reference_model(weights, opts.spec(), opts.scope, torch.float32), case["seq"])
             diff = (torch.tensor(case[key]) - want).abs().max()
             assert diff < 2e-3, f"{method} {key}: max |Δ| {diff:.2e}"
-        assert case["noisy"] != case["base"] and case["restored"] == case["base"], method
+        assert case["noisy"] != case["base"], method
+        assert case["restored_flattened"] == case["restored"] == case["base"], method
+        assert case["noisy_distributed"] == case["noisy"], method
