@@ -237,11 +237,16 @@ def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patche
     session. After each push the engine serves the quantized reference of a checkpoint holding the pushed
     weights (re-quantized at the session's end) and is tagged with verl's global_steps; a push that fails midway
     still closes the session and tags the engine `incomplete:<steps>`; pushing the checkpoint again restores the
-    first push's engine bitwise.
+    first push's engine bitwise. Last, verl's delta checkpoint engine (`checkpoint_engine.backend=delta_sharded`):
+    two sparse flushes, as its `receive_weights` yields them, changing half the entries of layer 0's projections,
+    go through `update_weights(wire_format="delta_flush")` and verl's own loader (`delta_loader.apply_delta`,
+    registered as SGLang's custom weight loader): the engine then serves the quantized reference of the
+    original weights with those entries changed, and is tagged with the step.
 
     Stand-ins for what a CPU host without Ray or CUDA lacks: the ServerAdapter gets the server's address as its
     Ray lookup would (`_init_server_adapter`) and records the global_steps it would send the server's actor,
-    verl's device (it has no CPU platform) is the CPU, and each bucket travels as CPU shared memory (`cpu_ipc`)."""
+    verl's device (it has no CPU platform) is the CPU, and each bucket and delta flush travels as CPU shared memory
+    (`cpu_ipc`, `cpu_delta_flush`)."""
     import selectors
     import signal
     import subprocess
@@ -252,7 +257,9 @@ def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patche
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
     from sglang.srt.utils import MultiprocessingSerializer
     from torch.distributed.device_mesh import init_device_mesh
+    from verl.checkpoint_engine.delta_sync.encode import DeltaParam, checksum
     from verl.workers.config import CheckpointEngineConfig
+    from verl.workers.rollout.sglang_rollout.delta_loader import LOADER_FQN
 
     from qurl_mcore.rollout import EngineConfig, HttpEngine
     from qurl_mcore.transfer import free_port
@@ -276,12 +283,21 @@ def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patche
 
     monkeypatch.setattr(sr, "sgl_update_weights", cpu_ipc)
 
+    async def cpu_delta_flush(self, params_batch, flush_cache: bool):
+        """`ServerAdapter._update_weights_delta_flush`, which inlines the same CUDA IPC pickling, for one TP rank."""
+        req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[MultiprocessingSerializer.serialize(
+            params_batch)], load_format=LOADER_FQN, flush_cache=flush_cache)
+        return await self._engine.update_weights_from_tensor(req)
+
+    monkeypatch.setattr(sr.ServerAdapter, "_update_weights_delta_flush", cpu_delta_flush)
+
     # the engine of tests/sglang: fp32 activations, every request computes all its tokens
     engine = EngineConfig(tiny_llama, "qurl_int8", {"scope": "all"}, device="cpu", dtype="float32",
                           mem_fraction_static=0.2, max_total_tokens=4096, context_length=1024,
                           extra={"disable_radix_cache": True})
     sglang_kwargs = {k: v for k, v in engine.engine_kwargs().items() if k != "model_path"}
     sglang_kwargs["enable_memory_saver"] = False  # verl turns it on; it releases GPU memory, needs torch_memory_saver
+    sglang_kwargs["custom_weight_loader"] = [LOADER_FQN]  # what verl adds for delta_sharded (async_sglang_server:284)
     rollout = RolloutConfig(name="sglang", tensor_model_parallel_size=1, engine_kwargs={"sglang": sglang_kwargs},
                             checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=1))
     model = HFModelConfig(path=tiny_llama)
@@ -291,6 +307,24 @@ def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patche
     noisy = {k: (v.float() + 0.2 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
              for k, v in original.items() if k.startswith("model.layers.0.") and k.endswith("proj.weight")}
     noisy["model.embed_tokens.weight"] = original["model.embed_tokens.weight"].flip(0)  # 12 MiB: its own bucket
+
+    mask = {k: torch.rand(v.shape, generator=gen) < 0.5 for k, v in noisy.items() if k.startswith("model.layers.0.")}
+    partial = {k: torch.where(m, noisy[k], original[k]) for k, m in mask.items()}
+
+    def delta_flush(names: list[str]) -> list[tuple[str, torch.Tensor]]:
+        """One flush as verl's delta engine yields it (delta_checkpoint_engine.py:358-391, `indices` encoding):
+        per tensor, the positions where `partial` differs from `original` and its values there."""
+        idx = [(partial[n] != original[n]).flatten().nonzero().flatten().to(torch.int32) for n in names]
+        values = torch.cat([partial[n].flatten()[i.long()] for n, i in zip(names, idx)])
+        params, pos, val = [], 0, 0
+        for n, i in zip(names, idx):
+            params.append(vars(DeltaParam(n, str(partial[n].dtype).removeprefix("torch."), list(partial[n].shape),
+                                          pos, pos + 4 * i.numel(), 4, val, val + i.numel())))
+            pos, val = pos + 4 * i.numel(), val + i.numel()
+        positions = torch.cat(idx).view(torch.uint8)
+        spec = {"encoding": "indices", "params": params, "checksum": checksum(positions, values)}
+        return [("__delta_spec__", torch.frombuffer(bytearray(json.dumps(spec).encode()), dtype=torch.uint8)),
+                ("__positions__", positions), ("__values__", values)]
 
     def failing():
         """The trainer's weights, failing once the first bucket (the embedding) is full and sent."""
@@ -328,6 +362,11 @@ def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patche
         got["failed"] = (await asyncio.to_thread(client.model_info))["weight_version"]
         got["restored_version"] = await pushed(4, iter(original.items()))  # a new session opens
         got["restored"] = await asyncio.to_thread(score, client, got["seq"])
+        names = sorted(partial)
+        await adapter.update_weights(iter([(delta_flush(names[::2]), False), (delta_flush(names[1::2]), True)]),
+                                     global_steps=5, wire_format="delta_flush")
+        got["delta_version"] = (await asyncio.to_thread(client.model_info))["weight_version"]
+        got["delta"] = await asyncio.to_thread(score, client, got["seq"])
         got["steps"] = steps
         return got
 
@@ -358,9 +397,11 @@ def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patche
         path = write_checkpoint(tiny_llama, {**original, **tensors}, tmp_path / name)
         return token_logprobs(reference_model(path, engine.options().spec(), "all", torch.float32), got["seq"])
 
-    assert [got[k] for k in ("loaded", "noisy", "failed", "restored_version", "steps")] == \
-        ["1", "2", "incomplete:3", "4", [1, 2, 4]]
+    assert [got[k] for k in ("loaded", "noisy", "failed", "restored_version", "delta_version", "steps")] == \
+        ["1", "2", "incomplete:3", "4", "5", [1, 2, 4, 5]]
     assert (got["base"] - reference({}, "checkpoint")).abs().max() < 2e-3  # tolerance: tests/sglang
     assert not torch.equal(got["pushed"], got["base"])
     assert (got["pushed"] - reference(noisy, "noisy")).abs().max() < 2e-3
     assert torch.equal(got["restored"], got["base"])
+    assert (got["delta"] - reference(partial, "delta")).abs().max() < 2e-3
+    assert (got["delta"] - got["pushed"]).abs().max() > 1e-2 and (got["delta"] - got["base"]).abs().max() > 1e-2
