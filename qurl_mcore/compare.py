@@ -1,13 +1,15 @@
 """`qurl compare`: several configs x several seeds, then one report of the curves with their spread over seeds.
 
 Each (config, seed) is one `qurl train` run in its own directory, OUT/<label>/seed<k>/ (checkpoints/, logs/,
-train.log: what the run printed, run.json: written when it finished). The runs go one after another on this
-machine, seed after seed (so that an interrupted study already has every config at its first seeds); running
-several at once when the Ray cluster has room is not done.
+train.log: what the run printed, run.json: written when it finished). The runs start seed after seed (so that
+an interrupted study already has every config at its first seeds), `jobs` of them at once (default 1: one after
+another). Each run is its own `qurl train` with its own Ray: a local one of its own, or the cluster at
+RAY_ADDRESS, which then must have room for `jobs` runs' trainer and engine actors (a run whose actors do not fit
+waits for them).
 
 Resumable: a run whose run.json says it reached the config's steps is skipped (refused if its config has
 changed since, other than `steps`); any other run is started with the same command, and `qurl train`
-resumes it from its last checkpoint. Ctrl-C stops the current run with a checkpoint and starts no other.
+resumes it from its last checkpoint. Ctrl-C stops the running runs with a checkpoint and starts no other.
 
 A config is a `qurl train` YAML file; with `--base`, it is a partial one whose fields override the base's
 (one base per study, a few lines per variant). `--set key=value` applies to every run.
@@ -222,53 +224,70 @@ class Outcome:
     stopped: bool  # interrupted: the current run checkpointed, the later ones were not started
 
 
-def execute(run: Run, drop_checkpoints: bool = False) -> int:
-    """`qurl train` for one run (its output appended to train.log); writes run.json when it finished.
-    Returns qurl train's exit code (`qurl_mcore.loop.outcome`)."""
+def start(run: Run) -> subprocess.Popen:
+    """Start `qurl train` for one run, its output appended to train.log."""
     run.dir.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    with open(run.dir / "train.log", "ab") as log:
+    with open(run.dir / "train.log", "ab") as log:  # the child keeps its own descriptor
         log.write(f"$ {shlex.join(run.command)}\n".encode())
         log.flush()
-        process = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            code = process.wait()
-        except KeyboardInterrupt:  # the run got the same SIGINT: it writes a checkpoint and exits
-            code = process.wait()
+        return subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT)
+
+
+def conclude(run: Run, code: int, wall_s: float, drop_checkpoints: bool = False) -> None:
+    """After a run's `qurl train` exited with `code` (`qurl_mcore.loop.outcome`): run.json if it finished, and
+    its checkpoints deleted if asked."""
     if code == EXIT_FINISHED:
         (run.dir / RUN_RESULT).write_text(json.dumps(
-            {"steps": run.cfg.steps, "wall_s": round(time.monotonic() - started, 1), "config": to_dict(run.cfg)}))
+            {"steps": run.cfg.steps, "wall_s": round(wall_s, 1), "config": to_dict(run.cfg)}))
         if drop_checkpoints:
             shutil.rmtree(run.cfg.checkpoint.dir, ignore_errors=True)
-    return code
 
 
 def compare(variants: Sequence[Variant], seeds: Sequence[int], out: Path, *, base: Path | None = None,
             overrides: Sequence[str] = (), last: int = 4, report_only: bool = False, drop_checkpoints: bool = False,
-            say: Callable[[str], None] = print) -> Outcome:
-    """Run what is not finished yet (nothing with `report_only`), then write the report from every run's
-    metrics so far. `drop_checkpoints` deletes a run's checkpoints once it finished (a study's runs are
-    1.6 GB each with SmolLM2); a run made longer later then starts over."""
+            jobs: int = 1, say: Callable[[str], None] = print) -> Outcome:
+    """Run what is not finished yet (nothing with `report_only`), up to `jobs` runs at once, then write the
+    report from every run's metrics so far. `drop_checkpoints` deletes a run's checkpoints once it finished (a
+    study's runs are 1.6 GB each with SmolLM2); a run made longer later then starts over."""
+    if jobs < 1:
+        raise ValueError(f"--jobs {jobs}: at least one run at a time")
     runs = plan(variants, seeds, Path(out), base, overrides)
     done = [finished(run) for run in runs]  # every changed config refused before anything starts
-    failed, stopped = [], False
+    todo = []
     for i, (run, was_done) in enumerate(zip(runs, done) if not report_only else [], 1):
-        where = f"[{i}/{len(runs)}] {run.name}"
         if was_done:
-            say(f"{where}: finished before, skipped")
-            continue
-        say(f"{where}: running {run.cfg.steps} steps (log {run.dir / 'train.log'})")
-        started = time.monotonic()
-        code = execute(run, drop_checkpoints)
-        if code == EXIT_STOPPED:
+            say(f"[{i}/{len(runs)}] {run.name}: finished before, skipped")
+        else:
+            todo.append((f"[{i}/{len(runs)}] {run.name}", run))
+    failed, stopped = [], False
+    running: dict[str, tuple[Run, subprocess.Popen, float]] = {}
+    try:
+        while todo or running:
+            while todo and len(running) < jobs and not stopped:
+                where, run = todo.pop(0)
+                say(f"{where}: running {run.cfg.steps} steps (log {run.dir / 'train.log'})")
+                running[where] = (run, start(run), time.monotonic())
+            if stopped and not running:
+                break
+            ended = [(w, r, p.returncode, t) for w, (r, p, t) in running.items() if p.poll() is not None]
+            if not ended:
+                time.sleep(0.2)
+            for where, run, code, began in ended:
+                del running[where]
+                conclude(run, code, time.monotonic() - began, drop_checkpoints)
+                if code == EXIT_STOPPED:
+                    say(f"{where}: stopped with a checkpoint; run the same command to resume")
+                    stopped = True
+                elif code != EXIT_FINISHED:
+                    say(f"{where}: failed (exit {code}); see {run.dir / 'train.log'}")
+                    failed.append(run.name)
+                else:
+                    say(f"{where}: done in {time.monotonic() - began:.0f} s")
+    except KeyboardInterrupt:  # the runs got the same SIGINT: each writes a checkpoint and exits
+        for where, (run, process, began) in running.items():
+            conclude(run, process.wait(), time.monotonic() - began, drop_checkpoints)
             say(f"{where}: stopped with a checkpoint; run the same command to resume")
-            stopped = True
-            break
-        if code != EXIT_FINISHED:
-            say(f"{where}: failed (exit {code}); see {run.dir / 'train.log'}")
-            failed.append(run.name)
-            continue
-        say(f"{where}: done in {time.monotonic() - started:.0f} s")
+        stopped = True
     return Outcome(write_report(runs, Path(out) / "report", last), failed, stopped)
 
 

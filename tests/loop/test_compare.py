@@ -167,18 +167,21 @@ def test_cli_refuses_a_bad_study_before_running_anything(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_two_tiny_configs_two_seeds_then_a_second_invocation_starts_nothing(tmp_path):
-    """The cheapest loop of tests/loop/test_e2e.py (tiny Llama), INT8 vs BF16 rollout, 2 steps x seeds 0 and 1."""
+    """The cheapest loop of tests/loop/test_e2e.py (tiny Llama), INT8 vs BF16 rollout, 2 steps x seeds 0 and 1,
+    two runs at once."""
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({"model": {"path": "tiny-llama"}, "steps": 2, "checkpoint": {"export_hf": False}}))
     (tmp_path / "int8.yaml").write_text("precision: int8\n")
     (tmp_path / "bf16.yaml").write_text("precision: bf16\nuaq: {enabled: false}\n")
     out = tmp_path / "out"
     command = [sys.executable, "-m", "qurl_mcore", "compare", str(tmp_path / "int8.yaml"), str(tmp_path / "bf16.yaml"),
-               "--base", str(base), "--seeds", "0", "1", "--out", str(out), "--last", "1", "--set", *TINY]
+               "--base", str(base), "--seeds", "0", "1", "--out", str(out), "--last", "1", "--jobs", "2", "--set", *TINY]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     first = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
     assert first.returncode == 0, first.stdout + first.stderr
     assert first.stdout.count(": running 2 steps") == 4, first.stdout
+    lines = [line for line in first.stdout.splitlines() if line.startswith("qurl compare: [")]
+    assert "[1/4]" in lines[0] and "[2/4]" in lines[1] and "done in" in lines[2], first.stdout  # two at once
     table = json.loads((out / "report" / "table.json").read_text())
     for label in ("int8", "bf16"):
         assert table["metrics"]["reward/mean"][label]["n"] == 2
