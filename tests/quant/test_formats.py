@@ -18,6 +18,9 @@ def test_e2m1_grid_is_exactly_the_fp4_values():
     decoded = {float(v) for v in e2m1_decode(torch.arange(16, dtype=torch.uint8))}
     assert decoded == HAND_GRID
     assert set(E2M1_GRID) | {-v for v in E2M1_GRID} == HAND_GRID
+    # code by code, bit for bit (code 8 is -0.0)
+    by_code = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    assert torch.equal(e2m1_decode(torch.arange(16, dtype=torch.uint8)).view(torch.int32), by_code.view(torch.int32))
 
 
 def _rne_reference(v: float) -> float:
@@ -40,6 +43,20 @@ def test_e2m1_rounds_to_nearest_even_at_every_midpoint_and_between():
     assert torch.equal(got, want)
     # ties by hand: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4
     assert got[:7].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+
+
+def test_e2m1_matches_brute_force_on_every_half_precision_value():
+    """Every fp16 number in [-6, 6] (all of E2M1's ties and their neighbours among them), both signs."""
+    x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    x = x[x.isfinite() & (x.abs() <= 6)]
+    grid = torch.tensor(E2M1_GRID)
+    dist = (x.abs()[:, None] - grid).abs()
+    best = dist == dist.min(dim=1, keepdim=True).values
+    # the nearest point; of two, the one with the even code
+    code = torch.where(best.sum(1) == 1, best.int().argmax(1), (best & (torch.arange(8) % 2 == 0)).int().argmax(1))
+    want = torch.where(x < 0, -grid[code], grid[code])
+    assert torch.equal(e2m1_decode(e2m1_encode(x)), want)
+    assert torch.equal(e2m1_encode(x) >> 3, (x < 0).to(torch.uint8))  # -0.0 keeps code 0
 
 
 @settings(max_examples=60, deadline=None)
