@@ -11,6 +11,9 @@ import torch
 
 #: E2M1 magnitudes indexed by their 3-bit code (sign is bit 3): exactly {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: E2M1's midpoints between neighbouring codes; round-to-nearest-even sends a tie to the even code.
+_E2M1_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)  # after an even code
+_E2M1_TIES_UP = (0.75, 1.75, 3.5)  # after an odd code
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
@@ -79,14 +82,33 @@ def decode(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 code (ties to the even code, i.e. even mantissa) for |x| <= 6; bit 3 is the sign.
 
-    E2M1's binades are uniform grids: [0, 2) in steps of 0.5 (codes 0-4), [2, 4) in steps of 1 (codes 4-6),
-    [4, 6] in steps of 2 (codes 6-7). So code = RNE(|x| / step) + offset with (step, offset) = (0.5, 0),
+    Two formulas of the same function (bitwise: every fp16 value, tests/quant/test_formats.py), because the
+    fast one eagerly is slow compiled and the other way round: counting midpoints in uint8 (eager, CUDA
+    graphs) and rounding on each binade's grid in fp32 (torch.compile, whose CPU code is slow at uint8
+    vector arithmetic). Both are elementwise with Python constants only: nothing waits for the host."""
+    if torch.compiler.is_compiling():
+        return _e2m1_encode_by_binade(x)
+    return _e2m1_encode_by_midpoints(x)
+
+
+def _e2m1_encode_by_midpoints(x: torch.Tensor) -> torch.Tensor:
+    """code = #{midpoints below |x|}, where a midpoint after an odd code counts when |x| reaches it (its tie
+    goes up to the even code) and one after an even code only when |x| passes it (its tie stays down)."""
+    mag = x.abs()
+    code = (x < 0).to(torch.uint8) << 3
+    for m in _E2M1_TIES_DOWN:
+        code += mag > m
+    for m in _E2M1_TIES_UP:
+        code += mag >= m
+    return code
+
+
+def _e2m1_encode_by_binade(x: torch.Tensor) -> torch.Tensor:
+    """E2M1's binades are uniform grids: [0, 2) in steps of 0.5 (codes 0-4), [2, 4) in steps of 1 (codes
+    4-6), [4, 6] in steps of 2 (codes 6-7). So code = RNE(|x| / step) + offset with (step, offset) = (0.5, 0),
     (1, 2), (2, 4): the division by a power of two is exact, torch's round is half-to-even, and an even
     multiple of the step is an even code. A value that rounds up to the next binade's first point (1.9 -> 2)
-    gets that point's code from either formula. Elementwise with Python constants only: nothing waits for
-    the host, so the function compiles into one fused kernel and can be captured in a CUDA graph. The code,
-    sign bit included (+8), is formed in fp32 and cast once: uint8 vector arithmetic is slow in compiled CPU
-    code (20x here)."""
+    gets that point's code from either formula. The code, sign included (+8), is formed in fp32, cast once."""
     mag = x.abs()
     low, mid = mag < 2.0, mag < 4.0
     inv_step = torch.where(low, 2.0, torch.where(mid, 1.0, 0.5))
@@ -94,15 +116,21 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     return (mag * inv_step).round_().add_(offset).to(torch.uint8)
 
 
-def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, low nibble) -> fp32 values, assembled as fp32 bit patterns: exponent e = bits 1-2,
     mantissa m = bit 0, sign = bit 3. |v| = 2^(e-1) (1 + m/2) for e > 0 is biased exponent e + 126 with m as
-    the mantissa's top bit; e = 0 is 0 or 0.5 = 2^-1 (biased exponent 126). Integer ops and a bit cast only,
-    graph-safe like `e2m1_encode`."""
+    the mantissa's top bit; e = 0 is 0 or 0.5 = 2^-1 (biased exponent 126)."""
     c = codes.to(torch.int32)
     e, m = (c >> 1) & 0x3, c & 0x1
     bits = torch.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23))
     return (bits | ((c & 0x8) << 28)).view(torch.float32)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes -> fp32 values by looking each up in the 16 values of `_e2m1_values`, made on the codes'
+    device (no host copy: graph-safe like `e2m1_encode`)."""
+    table = _e2m1_values(torch.arange(16, dtype=torch.uint8, device=codes.device))
+    return table[codes.to(torch.int32)]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -113,15 +141,14 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     the compiled kernel reads contiguous memory; strided slices [0::2], [1::2] made it scalar (14x slower)."""
     if codes.shape[-1] % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
-    pairs = codes.contiguous().view(torch.int16).to(torch.int32)
+    pairs = codes.contiguous().view(torch.int16)
     return ((pairs & 0xF) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
 
 
 def unpack_fp4(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of `pack_fp4`, keeping the first `n` codes of the last dim."""
-    wide = packed.to(torch.int32)
-    pairs = ((wide & 0xF) | ((wide & 0xF0) << 4)).to(torch.int16)
-    return pairs.view(torch.uint8)[..., :n]
+    wide = packed.to(torch.int16)
+    return ((wide & 0xF) | ((wide & 0xF0) << 4)).view(torch.uint8)[..., :n]
 
 
 def e8m0_exponent(amax: torch.Tensor) -> torch.Tensor:

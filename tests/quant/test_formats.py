@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qurl_mcore.quant import E2M1_GRID, quantize
-from qurl_mcore.quant.formats import decode, e2m1_decode, e2m1_encode, e8m0_exponent, pack_fp4, unpack_fp4
+from qurl_mcore.quant.formats import (_e2m1_encode_by_binade, decode, e2m1_decode, e2m1_encode, e8m0_exponent, pack_fp4,
+                                      unpack_fp4)
 
 HAND_GRID = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0}
 
@@ -45,8 +46,10 @@ def test_e2m1_rounds_to_nearest_even_at_every_midpoint_and_between():
     assert got[:7].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
 
 
-def test_e2m1_matches_brute_force_on_every_half_precision_value():
-    """Every fp16 number in [-6, 6] (all of E2M1's ties and their neighbours among them), both signs."""
+@pytest.mark.parametrize("encode", [e2m1_encode, _e2m1_encode_by_binade], ids=["eager", "compiled_formula"])
+def test_e2m1_matches_brute_force_on_every_half_precision_value(encode):
+    """Every fp16 number in [-6, 6] (all of E2M1's ties and their neighbours among them), both signs, through
+    each of the encoder's two formulas (torch.compile takes the second; here it runs eagerly)."""
     x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     x = x[x.isfinite() & (x.abs() <= 6)]
     grid = torch.tensor(E2M1_GRID)
@@ -55,8 +58,8 @@ def test_e2m1_matches_brute_force_on_every_half_precision_value():
     # the nearest point; of two, the one with the even code
     code = torch.where(best.sum(1) == 1, best.int().argmax(1), (best & (torch.arange(8) % 2 == 0)).int().argmax(1))
     want = torch.where(x < 0, -grid[code], grid[code])
-    assert torch.equal(e2m1_decode(e2m1_encode(x)), want)
-    assert torch.equal(e2m1_encode(x) >> 3, (x < 0).to(torch.uint8))  # -0.0 keeps code 0
+    assert torch.equal(e2m1_decode(encode(x)), want)
+    assert torch.equal(encode(x) >> 3, (x < 0).to(torch.uint8))  # -0.0 keeps code 0
 
 
 @settings(max_examples=60, deadline=None)
