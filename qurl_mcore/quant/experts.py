@@ -16,16 +16,16 @@ def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     w2: QTensor, spec: QuantLinearSpec) -> torch.Tensor:
     """out[t] = Σ_j p[t, j] · Q̃(silu(g) ⊙ u)·Q(W2_e)ᵀ with [g; u] = Q̃(X_e)·Q(W13_e)ᵀ, e = topk_ids[t, j]
     (gate rows first in W13, as in the checkpoint's gate_proj/up_proj and Megatron's fc1), for stacked
-    experts w13 [E, 2I, H] and w2 [E, H, I] (`weights.stack`). X_e holds the tokens routed to e, as the
-    trainer's expert e receives them: its per-tensor scale (NVFP4) is theirs. Tokens routed to ids outside
-    [0, E) (padding, other EP ranks) contribute nothing; the weighted sum is taken in fp32.
+    experts w13 [E, 2I, H] and w2 [E, H, I] (`weights.stack`). X_e holds the tokens routed to e, each
+    quantized on its own as the trainer's expert e quantizes it (`quantize_activation`), so Q̃(X) is taken
+    once for all experts. Tokens routed to ids outside [0, E) (padding, other EP ranks) contribute nothing;
+    the weighted sum is taken in fp32.
 
-    All experts run at once on [E, tokens, H] with the unrouted rows zero (a zero row quantizes to zero and
-    leaves every scale as it was): a few batched GEMMs with static shapes and no read-back to the host, so
-    CUDA graphs capture it and torch.compile traces it whole, at E/k times the routed FLOPs (the emulated
-    formats' price for that). Tokens go in chunks that bound the activations' memory (_CHUNK_ELEMENTS); an
-    NVFP4 scale then covers an expert's tokens of one chunk, as SGLang's chunked prefill already splits the
-    batch. Layer outputs are rounded to x's dtype as the trainer's quantized linears round theirs."""
+    All experts run at once on [E, tokens, H] with the unrouted rows zero (a zero row quantizes to zero): a
+    few batched GEMMs with static shapes and no read-back to the host, so CUDA graphs capture it and
+    torch.compile traces it whole, at E/k times the routed FLOPs (the emulated formats' price for that).
+    Tokens go in chunks that bound the activations' memory (_CHUNK_ELEMENTS), which changes no number.
+    Layer outputs are rounded to x's dtype as the trainer's quantized linears round theirs."""
     experts = w13.shape[0]
     slots = (topk_ids >= 0) & (topk_ids < experts)
     index = torch.where(slots, topk_ids, 0).long()
@@ -36,10 +36,10 @@ def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     chunk = max(1, _CHUNK_ELEMENTS // (experts * max(w13.shape[1], w13.shape[2])))
     out = []
     for xs, ps, rs in zip(x.split(chunk), routing.split(chunk), routed.split(chunk)):
-        x_e = torch.where(rs.t()[:, :, None], xs, 0)  # [E, T, H]
-        h = torch.bmm(quantize_activation(x_e, spec, batch_dims=1), w13_f).to(x.dtype)
+        x_e = torch.where(rs.t()[:, :, None], quantize_activation(xs, spec), 0)  # [E, T, H]
+        h = torch.bmm(x_e, w13_f).to(x.dtype)
         gate, up = h.chunk(2, dim=-1)
         hidden = F.silu(gate) * up  # unrouted rows stay zero: silu(0) * 0
-        y = torch.bmm(quantize_activation(hidden, spec, batch_dims=1), w2_f).to(x.dtype)  # [E, T, H]
+        y = torch.bmm(quantize_activation(hidden, spec), w2_f).to(x.dtype)  # [E, T, H]
         out.append(torch.einsum("eth,te->th", y.float(), ps))
     return torch.cat(out).to(x.dtype)

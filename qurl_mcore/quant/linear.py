@@ -19,7 +19,7 @@ import torch
 from .fake import residual_quantize
 from .formats import get_format
 from .gemm import BACKENDS, quantized_matmul
-from .qtensor import GRANULARITIES, QTensor, quantize
+from .qtensor import ACT_BLOCK, GRANULARITIES, QTensor, quantize, row_grouped
 
 MODES = ("bf16", "naive", "rc_forward", "rc_backward", "rc_both")
 
@@ -90,9 +90,12 @@ def quantize_weight(weight: torch.Tensor, spec: QuantLinearSpec) -> QTensor:
     return quantize(weight, spec.fmt, spec.weight_granularity, block_shape=spec.weight_block)
 
 
-def _quantize_activation(x2: torch.Tensor, spec: QuantLinearSpec, granularity: str, residual: bool,
-                         batch_dims: int = 0):
-    """[Q(x)] or [Q(x), Q(x - Q(x))]."""
+def _quantize_activation(x2: torch.Tensor, spec: QuantLinearSpec, granularity: str, residual: bool):
+    """[Q(x)] or [Q(x), Q(x - Q(x))] of x2 [tokens, in], token by token: with groups that lie within a row
+    (token, 1 x n blocks), each row is its own tensor (NVFP4: its own fp32 scale), so a token's codes depend on
+    that token alone, not on what the trainer's micro-batch or the engine's prefill or decode batch holds beside
+    it. That is what lets both sides compute the same function of a token."""
+    batch_dims = int(row_grouped(granularity, spec.act_block or ACT_BLOCK))  # FP4's own blocks are 1 x n too
     if residual:
         return list(residual_quantize(x2, spec.fmt, granularity, block_shape=spec.act_block, batch_dims=batch_dims))
     return [quantize(x2, spec.fmt, granularity, block_shape=spec.act_block, batch_dims=batch_dims)]
@@ -102,10 +105,11 @@ def _dequantized_sum(parts: list[QTensor]) -> torch.Tensor:
     return sum(p.dequantize(torch.float32) for p in parts)
 
 
-def quantize_activation(x: torch.Tensor, spec: QuantLinearSpec, batch_dims: int = 0) -> torch.Tensor:
-    """Q̃_fwd(X) as the fp32 values the forward multiplies (RC: Q(X) + Q(X − Q(X))); with `batch_dims` 1,
-    x [n, rows, in] holds n separate activations (NVFP4: a per-tensor scale each; `quantize`)."""
-    return _dequantized_sum(_quantize_activation(x, spec, spec.act_granularity, spec.rc_forward, batch_dims))
+def quantize_activation(x: torch.Tensor, spec: QuantLinearSpec) -> torch.Tensor:
+    """Q̃_fwd(X) as the fp32 values the forward multiplies (RC: Q(X) + Q(X − Q(X))), token by token, for
+    x [..., in]."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return _dequantized_sum(_quantize_activation(x2, spec, spec.act_granularity, spec.rc_forward)).reshape(x.shape)
 
 
 def _forward(x2: torch.Tensor, wq: QTensor, spec: QuantLinearSpec, keep_residual: bool):

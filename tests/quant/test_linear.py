@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from qurl_mcore.quant import (
-    fake_quantize, make_spec, quant_linear, quantize_weight, quantized_linear, residual_fake_quantize,
+    fake_quantize, make_spec, quant_linear, quantize_activation, quantize_weight, quantized_linear,
+    residual_fake_quantize,
 )
 
 
@@ -25,8 +26,9 @@ def _reference(x, w, b, g, mode, fmt):
     """Y, dX, dW, db from the formulas, using fake_quantize (Q) and residual_fake_quantize (RC)."""
     gran = "block" if fmt in ("nvfp4", "mxfp4") else "token"
     wgran = "block" if fmt in ("nvfp4", "mxfp4") else "channel"
-    q = lambda t: fake_quantize(t, fmt, gran)  # noqa: E731
-    rc = lambda t: residual_fake_quantize(t, fmt, gran)  # noqa: E731
+    # activations and gradients token by token: each row quantized as a tensor of its own
+    q = lambda t: torch.cat([fake_quantize(row[None], fmt, gran) for row in t])  # noqa: E731
+    rc = lambda t: torch.cat([residual_fake_quantize(row[None], fmt, gran) for row in t])  # noqa: E731
     fwd = rc if mode in ("rc_forward", "rc_both") else q
     bwd = rc if mode in ("rc_backward", "rc_both") else q
     wq = fake_quantize(w, fmt, wgran)
@@ -50,6 +52,25 @@ def test_forward_and_backward_follow_the_formulas(mode, fmt):
     torch.testing.assert_close(x.grad, rdx, **tol)
     torch.testing.assert_close(w.grad, rdw, **tol)
     torch.testing.assert_close(b.grad, rdb)
+
+
+@pytest.mark.parametrize("mode", ["naive", "rc_both"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "nvfp4", "mxfp4"])
+def test_a_tokens_output_does_not_depend_on_the_batch_beside_it(mode, fmt):
+    """The trainer runs a token in a micro-batch of whole sequences, the engine in a prefill or a one-token
+    decode batch: the token's quantized activation must be the same bitwise, and so its output, in training
+    and in inference, up to the GEMM's summation order (which BLAS may choose by batch size). A token 1000x
+    larger beside the others would move any per-batch scale by far more."""
+    spec = make_spec(mode, fmt, backend="emulated")
+    w = torch.randn(32, 64)
+    tokens = torch.randn(6, 64)
+    batch = torch.cat([tokens, 1000 * torch.randn(1, 64)])
+    alone = torch.cat([quantize_activation(t[None], spec) for t in tokens])
+    assert torch.equal(quantize_activation(batch, spec)[:6], alone)
+    wq = quantize_weight(w, spec)
+    outputs = torch.cat([quantized_linear(t[None], wq, None, spec) for t in tokens])
+    torch.testing.assert_close(quantized_linear(batch, wq, None, spec)[:6], outputs, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(quant_linear(batch, w, spec=spec)[:6], outputs, rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["naive", "rc_both"])
