@@ -1,4 +1,6 @@
-"""Train-vs-rollout alignment of an MoE per precision: MoEResQ's Table 2 at small scale (docs/align.md).
+"""Train-vs-rollout alignment per precision: MoEResQ's Table 2 at small scale (docs/align.md). The
+top-k metrics need an MoE (Qwen3-MoE); a dense model (Llama, Qwen2, Qwen3: SmolLM2, whose MLP linears are
+scope `experts`) gets the log-prob metrics only.
 
 For each row, a precision of `qurl_mcore.precision.PRECISIONS` (by default `ROWS`: `ALIGNMENT_ROWS`, the
 table's rows in MoEResQ's order: bf16, fp4, fp4_rc_rollout, fp4_rc_train, fp4_rc (RC on both sides), then
@@ -92,13 +94,17 @@ def default_model() -> Path:
     return tiny_checkpoint("qwen3_moe")
 
 
-def _check_moe(model_path: str) -> None:
+def is_moe(model_path: str) -> bool:
+    """Whether the checkpoint is an MoE (then the routing metrics apply); refuses what the trainer cannot build."""
+    from .models import ARCHITECTURES
+
     if not (Path(model_path) / "config.json").is_file():
-        raise ValueError(f"--model {model_path}: no config.json there; give a Qwen3-MoE HF checkpoint directory")
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    if config.get("model_type") != "qwen3_moe":
-        raise ValueError(f"{model_path} is a {config.get('model_type')!r} checkpoint; the alignment experiment "
-                         "needs a Qwen3-MoE (model_type 'qwen3_moe') HF checkpoint")
+        raise ValueError(f"--model {model_path}: no config.json there; give an HF checkpoint directory, "
+                         "'smollm2' or 'tiny-<arch>'")
+    model_type = json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"{model_path} is a {model_type!r} checkpoint; use one of {list(ARCHITECTURES)}")
+    return model_type == "qwen3_moe"
 
 
 def prompt_ids(model_path: str, n: int) -> list[list[int]]:
@@ -112,29 +118,30 @@ def prompt_ids(model_path: str, n: int) -> list[list[int]]:
 
 
 def engine_config(method: str | None, model_path: str, *, scope: str = "experts", fmt: str = "nvfp4",
-                  seed: int = 0, dtype: str = "float32", max_tokens: int = 4096) -> EngineConfig:
-    """A CPU engine serving `model_path` under `method` with routed-expert capture; fp32 activations by
-    default, like the trainer, so that only quantization separates the two sides."""
+                  seed: int = 0, dtype: str = "float32", max_tokens: int = 4096, moe: bool = True) -> EngineConfig:
+    """A CPU engine serving `model_path` under `method` (with routed-expert capture for an MoE); fp32
+    activations by default, like the trainer, so that only quantization separates the two sides."""
     from .rollout import EngineConfig
 
     options = {} if method is None else {"fmt": fmt, "scope": scope}
     return EngineConfig(str(model_path), method, options, device="cpu", dtype=dtype, mem_fraction_static=0.2,
-                        max_total_tokens=max(4096, max_tokens), return_routed_experts=True, random_seed=seed,
+                        max_total_tokens=max(4096, max_tokens), return_routed_experts=moe, random_seed=seed,
                         extra={"disable_radix_cache": True})  # every request computes all its tokens
 
 
 def rollout(method: str | None, model_path: str, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
-            scope: str = "experts", fmt: str = "nvfp4", seed: int = 0, dtype: str = "float32") -> list[Generation]:
+            scope: str = "experts", fmt: str = "nvfp4", seed: int = 0, dtype: str = "float32",
+            moe: bool = True) -> list[Generation]:
     """One sampled response (temperature 1) per prompt from a fresh engine, with behaviour log-probs and
-    routed experts. The engine is seeded with `seed`, so a rerun samples the same tokens."""
+    (MoE) routed experts. The engine is seeded with `seed`, so a rerun samples the same tokens."""
     from .rollout import LocalEngine
 
     longest = max(map(len, prompts)) + max_new_tokens
     config = engine_config(method, model_path, scope=scope, fmt=fmt, seed=seed, dtype=dtype,
-                           max_tokens=2 * len(prompts) * longest)
+                           max_tokens=2 * len(prompts) * longest, moe=moe)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
     with LocalEngine(config) as engine:
-        return engine.generate([list(p) for p in prompts], sampling, routed_experts=True)
+        return engine.generate([list(p) for p in prompts], sampling, routed_experts=moe)
 
 
 def training_model(precision: str, model_path: str, *, scope: str = "experts", fmt: str | None = None):
@@ -152,60 +159,66 @@ def paired(model, generations: Sequence[Generation], replay: bool = False) -> di
     """Train and rollout values of every response token, paired by position (module docstring); with `replay`
     the trainer's routers take the engine's experts (R3).
 
-    Each sequence is scored alone (no padding, which would enter NVFP4's per-tensor activation scale).
-    Returns `train_logprobs`/`rollout_logprobs` [T] and `train_experts`/`rollout_experts` [T, layers, k].
+    Each sequence is scored alone (batch 1, no padding), as the engine saw it.
+    Returns `train_logprobs`/`rollout_logprobs` [T] and, for an MoE, `train_experts`/`rollout_experts`
+    [T, layers, k].
     """
     import torch
 
     from .megatron.logprobs import token_logprobs
     from .megatron.replay import RoutingTaps
 
-    taps = RoutingTaps(model)
-
-    out: dict[str, list[torch.Tensor]] = {k: [] for k in
-                                          ("train_logprobs", "rollout_logprobs", "train_experts", "rollout_experts")}
+    moe = bool(model.config.num_moe_experts)
+    if replay and not moe:
+        raise ValueError("routing replay (+r3) needs an MoE; this model is dense")
+    taps = RoutingTaps(model) if moe else None
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in ("train_logprobs", "rollout_logprobs")}
+    if moe:
+        out.update(train_experts=[], rollout_experts=[])
     for g in generations:
         p, n = len(g.prompt_ids), len(g.output_ids)
         if n == 0:
             continue
-        if g.routed_experts is None or g.routed_experts.shape[0] != p + n - 1:
-            got = None if g.routed_experts is None else g.routed_experts.shape
-            raise RuntimeError(f"engine returned routed experts {got} for {p} prompt + {n} output tokens; "
-                               f"expected {p + n - 1} rows")
         ids = torch.tensor([g.prompt_ids + g.output_ids])
-        routes = torch.from_numpy(g.routed_experts.copy())
-        # the last token is never forwarded by the engine: its own routing (it scores nothing)
-        taps.replay(torch.cat([routes, -torch.ones_like(routes[:1])])[None] if replay else None)
+        if moe:
+            if g.routed_experts is None or g.routed_experts.shape[0] != p + n - 1:
+                got = None if g.routed_experts is None else g.routed_experts.shape
+                raise RuntimeError(f"engine returned routed experts {got} for {p} prompt + {n} output tokens; "
+                                   f"expected {p + n - 1} rows")
+            routes = torch.from_numpy(g.routed_experts.copy())
+            # the last token is never forwarded by the engine: its own routing (it scores nothing)
+            taps.replay(torch.cat([routes, -torch.ones_like(routes[:1])])[None] if replay else None)
         with torch.no_grad():
-            scored = token_logprobs(model, ids, return_routed_experts=True)
+            scored = token_logprobs(model, ids, return_routed_experts=moe)
         out["train_logprobs"].append(scored.logprobs[0, p:].double())
         out["rollout_logprobs"].append(torch.tensor(g.output_logprobs, dtype=torch.float64))
-        out["train_experts"].append(scored.routed_experts[:, 0, p - 1:p + n - 1].transpose(0, 1).long())
-        out["rollout_experts"].append(torch.from_numpy(g.routed_experts[p - 1:p + n - 1].copy()).long())
-    taps.replay(None)
+        if moe:
+            out["train_experts"].append(scored.routed_experts[:, 0, p - 1:p + n - 1].transpose(0, 1).long())
+            out["rollout_experts"].append(torch.from_numpy(g.routed_experts[p - 1:p + n - 1].copy()).long())
+    if moe:
+        taps.replay(None)
     if not out["train_logprobs"]:
         raise RuntimeError("the engine generated no tokens")
     return {k: torch.cat(v) for k, v in out.items()}
 
 
 def metrics(pairs: dict[str, torch.Tensor]) -> dict[str, object]:
-    """The alignment metrics of `paired` values (module docstring), plus `topk_match_by_layer`."""
+    """The alignment metrics of `paired` values (module docstring), plus `topk_match_by_layer`; the top-k
+    ones are None for a dense model."""
     import torch
 
     from .rl.metrics import mean_abs_logprob_diff, prob_pearson, topk_match_fraction, topk_overlap_mean
 
     lt, lr = pairs["train_logprobs"], pairs["rollout_logprobs"]
     mask = torch.ones_like(lt, dtype=torch.bool)
-    by_layer, match = topk_match_fraction(pairs["train_experts"], pairs["rollout_experts"])
-    _, overlap = topk_overlap_mean(pairs["train_experts"], pairs["rollout_experts"])
-    return {
-        "tokens": int(lt.numel()),
-        "pcc": prob_pearson(lt, lr, mask),
-        "topk_match_frac": match,
-        "topk_overlap_mean": overlap,
-        "mean_abs_logprob_diff": mean_abs_logprob_diff(lt, lr, mask),
-        "topk_match_by_layer": [round(v, 6) for v in by_layer.tolist()],
-    }
+    row = {"tokens": int(lt.numel()), "pcc": prob_pearson(lt, lr, mask), "topk_match_frac": None,
+           "topk_overlap_mean": None, "mean_abs_logprob_diff": mean_abs_logprob_diff(lt, lr, mask),
+           "topk_match_by_layer": None}
+    if "train_experts" in pairs:
+        by_layer, row["topk_match_frac"] = topk_match_fraction(pairs["train_experts"], pairs["rollout_experts"])
+        _, row["topk_overlap_mean"] = topk_overlap_mean(pairs["train_experts"], pairs["rollout_experts"])
+        row["topk_match_by_layer"] = [round(v, 6) for v in by_layer.tolist()]
+    return row
 
 
 @contextlib.contextmanager
@@ -254,22 +267,26 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
     precision.
 
     All rollouts run first (one engine per distinct rollout method and format), then Megatron scores them
-    (one model per distinct trainer side)."""
-    names = check_precisions(precisions)
+    (one model per distinct trainer side). A dense model's default rows leave out the replay ones."""
+    from .models import resolve_model_path
+
+    model_path = str(resolve_model_path(str(model_path)) if model_path else default_model())
+    moe = is_moe(model_path)
+    names = check_precisions(precisions if precisions is not None or moe else ALIGNMENT_ROWS)
+    if not moe and any(split_row(name)[1] for name in names):
+        raise ValueError(f"{model_path} is a dense model: routing replay ({REPLAY}) needs an MoE; drop those rows")
     if fmt not in FP4_FORMATS:
         raise ValueError(f"fmt {fmt!r} is not an FP4 format; use one of {list(FP4_FORMATS)}")
     sides = {name: _row_format(split_row(name)[0], scope, fmt) for name in names}
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    model_path = str(model_path or default_model())
-    _check_moe(model_path)
     ids = prompt_ids(model_path, prompts)
     generations: dict[tuple, list[Generation]] = {}
     for name in names:
         key = (PRECISIONS[split_row(name)[0]].rollout, *sides[name])
         if key not in generations:
             generations[key] = rollout(key[0], model_path, ids, max_new_tokens=max_new_tokens, scope=key[1],
-                                       fmt=key[2], seed=seed, dtype=dtype)
+                                       fmt=key[2], seed=seed, dtype=dtype, moe=moe)
     rows = []
     with megatron_ready():
         models = {}  # (trainer mode, scope, format) -> model
@@ -305,7 +322,7 @@ def format_table(rows: Sequence[dict]) -> str:
         if missing:
             raise ValueError(f"row {row.get('precision', '?')!r} lacks {missing}")
         cells = [row["precision"], row["rollout"], row["training"], str(row["tokens"])]
-        cells += [f"{row[k]:.4f}" for k in METRICS]
+        cells += ["—" if row[k] is None else f"{row[k]:.4f}" for k in METRICS]
         lines.append("| " + " | ".join(cells) + " |")
     formats = sorted({row["fmt"] for row in rows if row.get("fmt") in FP4_FORMATS})
     if "scope" in rows[0]:

@@ -339,8 +339,10 @@ def _add_align(sub) -> None:
     from .align import PROMPTS, REPLAY, ROWS
     from .precision import FP4_FORMATS, PRECISIONS, SCOPES
 
-    p = sub.add_parser("align", help="train-vs-rollout alignment of an MoE per precision (MoEResQ Table 2)")
-    p.add_argument("--model", help="Qwen3-MoE HF checkpoint directory (default: the tiny random Qwen3-MoE)")
+    p = sub.add_parser("align", help="train-vs-rollout alignment per precision (MoEResQ Table 2; top-k "
+                       "expert metrics for an MoE)")
+    p.add_argument("--model", help="HF checkpoint directory, 'smollm2' or 'tiny-<arch>', as model.path "
+                   "(default: the tiny random Qwen3-MoE); a dense model gets the log-prob metrics only")
     p.add_argument("--precisions", nargs="+", metavar="PRECISION",
                    help=f"any of {', '.join(PRECISIONS)}, each optionally with {REPLAY} (the trainer replays "
                    f"the engine's routing) (default: {', '.join(ROWS)})")

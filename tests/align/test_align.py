@@ -129,8 +129,13 @@ def test_bad_options_fail_before_any_engine_starts(tmp_path):
         align.run_alignment(["fp4"], fmt="hif4")
     with pytest.raises(ValueError, match="max_new_tokens"):
         align.run_alignment(["bf16"], max_new_tokens=0)
-    with pytest.raises(ValueError, match="needs a Qwen3-MoE"):
-        align.run_alignment(["bf16"], tiny_checkpoint("qwen3"))
+    with pytest.raises(ValueError, match=r"dense model: routing replay \(\+r3\) needs an MoE"):
+        align.run_alignment(["fp4", "fp4+r3"], tiny_checkpoint("qwen3"))
+    (tmp_path / "config.json").write_text('{"model_type": "mixtral"}')
+    with pytest.raises(ValueError, match=r"a 'mixtral' checkpoint; use one of \['llama'"):
+        align.run_alignment(["bf16"], tmp_path)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        align.run_alignment(["bf16"], tmp_path / "nowhere")
     with pytest.raises(ValueError, match="prompts must be between 1 and 8"):
         align.run_alignment(["bf16"], prompts=9)
 
@@ -138,6 +143,35 @@ def test_bad_options_fail_before_any_engine_starts(tmp_path):
 def test_prompts_use_the_checkpoint_tokenizer():
     ids = align.prompt_ids(str(align.default_model()), 3)
     assert len(ids) == 3 and all(len(p) > 2 for p in ids) and ids[0] != ids[1]
+
+
+def test_a_dense_model_is_scored_on_log_probs_alone():
+    """`paired` and `metrics` on a real Megatron tiny Llama, against responses whose rollout log-probs are
+    the model's own plus a known offset per token: the mean |Δ| is that offset's mean; no top-k metrics."""
+    import torch
+
+    from qurl_mcore.megatron.logprobs import token_logprobs
+    from qurl_mcore.models.tiny import tiny_checkpoint
+    from qurl_mcore.rollout.results import Generation
+
+    path = str(tiny_checkpoint("llama"))
+    assert not align.is_moe(path) and align.is_moe(str(align.default_model()))
+    with align.megatron_ready():
+        model = align.training_model("bf16", path)
+        gens, offsets = [], []
+        for prompt, response in (([1, 5, 9], [7, 3, 2, 8]), ([4, 4], [6, 1])):
+            with torch.no_grad():
+                own = token_logprobs(model, torch.tensor([prompt + response])).logprobs[0, len(prompt):]
+            off = torch.arange(1, len(response) + 1, dtype=torch.float64) / 100
+            offsets.append(off)
+            gens.append(Generation(prompt, response, (own.double() - off).tolist(), None, "", None, None))
+        with pytest.raises(ValueError, match="needs an MoE"):
+            align.paired(model, gens, replay=True)
+        pairs = align.paired(model, gens)
+    assert set(pairs) == {"train_logprobs", "rollout_logprobs"}
+    row = align.metrics(pairs)
+    assert row["tokens"] == 6 and row["topk_match_frac"] is None and row["topk_match_by_layer"] is None
+    assert row["mean_abs_logprob_diff"] == pytest.approx(float(torch.cat(offsets).mean()), abs=1e-6)
 
 
 def _row(precision, **metrics):
@@ -156,6 +190,9 @@ def test_format_table():
     assert lines[2] == "| bf16 | bf16 | bf16 | 96 | 1.0000 | 1.0000 | 1.0000 | 0.0000 |"
     assert lines[3] == "| fp4_rc | qurl_fp4_rc | rc_both | 96 | 0.9999 | 0.9688 | 0.9844 | 0.0012 |"
     assert lines[-1] == "scope experts, FP4 format nvfp4"
+    dense = align.format_table([_row("fp4", pcc=0.5, topk_match_frac=None, topk_overlap_mean=None,
+                                     mean_abs_logprob_diff=0.25)]).splitlines()
+    assert dense[2] == "| fp4 | qurl_fp4 | naive | 96 | 0.5000 | — | — | 0.2500 |"
     with pytest.raises(ValueError, match="lacks"):
         align.format_table([_row("fp4", pcc=1.0)])
     with pytest.raises(ValueError, match="no rows"):
