@@ -94,6 +94,14 @@ def default_model() -> Path:
     return tiny_checkpoint("qwen3_moe")
 
 
+def _model_directory(model: str) -> str | Path:
+    """`--model` as a directory: the names model.path knows ("smollm2", "tiny-<arch>") resolved, anything
+    else taken as given (`is_moe` then checks it)."""
+    from .models import resolve_model_path
+
+    return resolve_model_path(model) if model == "smollm2" or model.startswith("tiny-") else model
+
+
 def is_moe(model_path: str) -> bool:
     """Whether the checkpoint is an MoE (then the routing metrics apply); refuses what the trainer cannot build."""
     from .models import ARCHITECTURES
@@ -268,9 +276,7 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
 
     All rollouts run first (one engine per distinct rollout method and format), then Megatron scores them
     (one model per distinct trainer side). A dense model's default rows leave out the replay ones."""
-    from .models import resolve_model_path
-
-    model_path = str(resolve_model_path(str(model_path)) if model_path else default_model())
+    model_path = str(default_model() if model_path is None else _model_directory(str(model_path)))
     moe = is_moe(model_path)
     names = check_precisions(precisions if precisions is not None or moe else ALIGNMENT_ROWS)
     if not moe and any(split_row(name)[1] for name in names):

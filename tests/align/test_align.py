@@ -134,7 +134,7 @@ def test_bad_options_fail_before_any_engine_starts(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mixtral"}')
     with pytest.raises(ValueError, match=r"a 'mixtral' checkpoint; use one of \['llama'"):
         align.run_alignment(["bf16"], tmp_path)
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(ValueError, match="nowhere: no config.json there"):
         align.run_alignment(["bf16"], tmp_path / "nowhere")
     with pytest.raises(ValueError, match="prompts must be between 1 and 8"):
         align.run_alignment(["bf16"], prompts=9)
