@@ -141,7 +141,11 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     the compiled kernel reads contiguous memory; strided slices [0::2], [1::2] made it scalar (14x slower)."""
     if codes.shape[-1] % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
-    pairs = codes.contiguous().view(torch.int16)
+    if torch.compiler.is_compiling():  # no storage offset to read in a trace; quantize packs a fresh buffer
+        codes = codes.contiguous()
+    elif not codes.is_contiguous() or codes.storage_offset() % 2:  # an int16 view needs both
+        codes = codes.clone(memory_format=torch.contiguous_format)
+    pairs = codes.view(torch.int16)
     return ((pairs & 0xF) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
 
 

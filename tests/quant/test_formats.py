@@ -79,6 +79,11 @@ def test_fp4_pack_unpack_round_trip(codes):
     assert torch.equal(unpack_fp4(packed, len(codes)), c)
     # low nibble holds the first element of each pair
     assert int(packed[0]) & 0xF == codes[0]
+    # views at an odd byte offset and strided ones pack and unpack alike (pairs are read as int16)
+    wide = torch.tensor([0] + codes, dtype=torch.uint8)
+    assert torch.equal(pack_fp4(wide[1:]), packed)
+    assert torch.equal(pack_fp4(torch.stack([c, c], 1)[:, 0]), packed)
+    assert torch.equal(unpack_fp4(torch.cat([packed[:1], packed])[1:], len(codes)), c)
 
 
 @pytest.mark.parametrize("fmt,dtype,fmax", [("fp8_e4m3", torch.float8_e4m3fn, 448.0),
