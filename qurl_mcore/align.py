@@ -94,21 +94,11 @@ def default_model() -> Path:
     return tiny_checkpoint("qwen3_moe")
 
 
-def _model_directory(model: str) -> str | Path:
-    """`--model` as a directory: the names model.path knows ("smollm2", "tiny-<arch>") resolved, anything
-    else taken as given (`is_moe` then checks it)."""
-    from .models import resolve_model_path
-
-    return resolve_model_path(model) if model == "smollm2" or model.startswith("tiny-") else model
-
-
 def is_moe(model_path: str) -> bool:
-    """Whether the checkpoint is an MoE (then the routing metrics apply); refuses what the trainer cannot build."""
+    """Whether the checkpoint directory holds an MoE (then the routing metrics apply); refuses what the
+    trainer cannot build."""
     from .models import ARCHITECTURES
 
-    if not (Path(model_path) / "config.json").is_file():
-        raise ValueError(f"--model {model_path}: no config.json there; give an HF checkpoint directory, "
-                         "'smollm2' or 'tiny-<arch>'")
     model_type = json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"{model_path} is a {model_type!r} checkpoint; use one of {list(ARCHITECTURES)}")
@@ -276,7 +266,13 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
 
     All rollouts run first (one engine per distinct rollout method and format), then Megatron scores them
     (one model per distinct trainer side). A dense model's default rows leave out the replay ones."""
-    model_path = str(default_model() if model_path is None else _model_directory(str(model_path)))
+    from .models import resolve_model_path
+
+    try:
+        model_path = str(default_model() if model_path is None else resolve_model_path(str(model_path)))
+    except FileNotFoundError:  # its message names model.path; here the flag is --model
+        raise ValueError(f"--model {model_path}: no config.json there; give an HF checkpoint directory, "
+                         "'smollm2' or 'tiny-<arch>'") from None
     moe = is_moe(model_path)
     names = check_precisions(precisions if precisions is not None or moe else ALIGNMENT_ROWS)
     if not moe and any(split_row(name)[1] for name in names):
