@@ -3,7 +3,8 @@ the same push into a BF16 engine, measured in one run (CPU here; pass --device c
 
 A push is the whole update session: begin_weight_update (quantized layers re-attach their full-precision
 weights), update_weights_from_tensor of every checkpoint tensor in 512 MiB buckets, end_weight_update
-(re-quantization with qurl_mcore.quant), and the weight-version check.
+(re-quantization with qurl_mcore.quant, eager or compiled: the `requant` option), and the weight-version check.
+A compiled engine compiles when it loads, so the timed pushes (after one warm-up push) do not include it.
 
 Usage: python benchmarks/weight_push.py [--repeats 3] [--device cpu] [--methods qurl_int8 qurl_fp8 ...]
 """
@@ -14,9 +15,12 @@ import statistics
 import time
 
 from qurl_mcore.precision import METHODS as QURL_METHODS
+from qurl_mcore.sglang.options import REQUANTS
 
-#: a BF16 engine, then every qurl method in every format it takes (scope all: every linear re-quantizes)
-METHODS = [(None, {})] + [(m.name, {"fmt": fmt, "scope": "all"}) for m in QURL_METHODS.values() for fmt in m.formats]
+#: a BF16 engine, then every qurl method in every format it takes (scope all: every linear re-quantizes), with
+#: each re-quantizer (`requant`: eager, compiled)
+METHODS = [(None, {})] + [(m.name, {"fmt": fmt, "scope": "all", "requant": r}) for r in REQUANTS
+                          for m in QURL_METHODS.values() for fmt in m.formats]
 
 
 def push_seconds(method, options, device: str, repeats: int) -> float:
@@ -48,11 +52,12 @@ def main() -> None:
     for method, options in METHODS:
         if method is not None and args.methods and method not in args.methods:
             continue
-        rows.append((method or "bf16", options.get("fmt", ""), push_seconds(method, options, args.device, args.repeats)))
-    base = rows[0][2]
-    print(f"{'method':12s} {'fmt':6s} {'push s':>8s} {'/ bf16':>7s}")
-    for method, fmt, sec in rows:
-        print(f"{method:12s} {fmt:6s} {sec:8.3f} {sec / base:7.2f}")
+        rows.append((method or "bf16", options.get("fmt", ""), options.get("requant", ""),
+                     push_seconds(method, options, args.device, args.repeats)))
+    base = rows[0][3]
+    print(f"{'method':12s} {'fmt':9s} {'requant':9s} {'push s':>8s} {'/ bf16':>7s}")
+    for method, fmt, requant, sec in rows:
+        print(f"{method:12s} {fmt:9s} {requant:9s} {sec:8.3f} {sec / base:7.2f}")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ class RolloutConfig:
     mem_fraction: float = 0.0  # of each GPU, SGLang's weights + KV cache (mem_fraction_static); 0: SGLang's default
     offload: Literal["auto", True, False] = "auto"  # engines release their GPU memory while the trainer steps
     push_bucket_mb: int = 512  # bound on one weight-push bucket
+    requant: Literal["eager", "compiled"] = "eager"  # engines' re-quantization per push; compiled: torch.compile'd
     broadcast_timeout_s: float = 120.0  # disaggregated: a broadcast waits this long for a stalled peer, then fails
     restart_attempts: int = 2  # per step: restart a crashed engine (with the latest weights) and retry
 

@@ -9,7 +9,9 @@ checks first and refuses to start on any problem.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,12 +91,25 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
     if use_gpu and r.dtype == "float32" and fmt in KERNEL_FORMATS:
         out.problems.append(f"rollout.dtype: float32 engines cannot run SGLang's W8A8 {fmt} kernels (they write "
                             "bf16/fp16 outputs); use rollout.dtype=bfloat16")
+    if r.requant == "compiled" and precision.rollout is not None:
+        problem = _compile_toolchain(use_gpu)
+        if problem:
+            out.problems.append(f"rollout.requant: compiled re-quantization runs torch.compile, which {problem}; "
+                                "install it or use rollout.requant=eager")
     if r.offload is True and cfg.layout != "colocated":
         out.problems.append("rollout.offload: engines give their GPU memory to the trainer rank on the same GPU, "
                             "which only the colocated layout has; use false or auto")
     if r.max_new_tokens >= r.context_length:
         out.problems.append(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for the prompt in "
                             f"rollout.context_length {r.context_length}; lower it or raise the context")
+
+
+def _compile_toolchain(use_gpu: bool) -> str | None:
+    """What torch.compile's inductor lacks here, or None: Triton on GPUs, a C++ compiler ($CXX, else g++) on CPUs."""
+    if use_gpu:
+        return None if importlib.util.find_spec("triton") else "needs Triton on GPUs (not installed)"
+    compiler = os.environ.get("CXX", "g++")
+    return None if shutil.which(compiler) else f"needs a C++ compiler on CPUs ({compiler} is not on PATH)"
 
 
 def _eval_rules(cfg: Config, out: Preflight) -> None:

@@ -97,6 +97,17 @@ def test_a_float32_engine_cannot_run_the_w8a8_kernels(tmp_path):
     assert "rollout.dtype" not in _problems(tmp_path, "precision=int8", "rollout.dtype=float32", use_gpu=False)
 
 
+def test_compiled_requant_needs_a_compiler_on_cpus(tmp_path, monkeypatch):
+    """torch.compile's CPU code is C++: without a compiler the engines would fail as they load."""
+    compiled = ("precision=int8", "rollout.requant=compiled")
+    monkeypatch.setenv("CXX", "no-such-c++")
+    assert ("rollout.requant: compiled re-quantization runs torch.compile, which needs a C++ compiler on CPUs "
+            "(no-such-c++ is not on PATH)") in _problems(tmp_path, *compiled, use_gpu=False)
+    assert "rollout.requant" not in _problems(tmp_path, "precision=bf16", "rollout.requant=compiled", use_gpu=False)
+    monkeypatch.setenv("CXX", "sh")  # a program that is on PATH
+    assert "rollout.requant" not in _problems(tmp_path, *compiled, use_gpu=False)
+
+
 def test_engine_memory_settings_on_gpus(tmp_path):
     """Offloading an engine needs a trainer rank on its GPU; an engine that shares one needs a mem_fraction
     (SGLang's default share would leave the trainer too little), even where the planner does not know the GPU."""

@@ -33,7 +33,7 @@ def engine_quantization(cfg: Config) -> tuple[str | None, dict[str, Any]]:
     precision, scope, fmt = cfg.resolved_precision()
     if precision.rollout is None:
         return None, {}
-    return precision.rollout, {"fmt": fmt, "scope": scope}
+    return precision.rollout, {"fmt": fmt, "scope": scope, "requant": cfg.rollout.requant}
 
 
 def new_api_key() -> str:

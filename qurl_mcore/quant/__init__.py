@@ -9,6 +9,7 @@ from .linear import (
     quant_linear,
     quantize_activation,
     quantize_weight,
+    quantize_weight_compiled,
     quantized_linear,
 )
 from .qtensor import ACT_BLOCK, GRANULARITIES, WEIGHT_BLOCK, QTensor, quantize
@@ -16,6 +17,6 @@ from .qtensor import ACT_BLOCK, GRANULARITIES, WEIGHT_BLOCK, QTensor, quantize
 __all__ = [
     "ACT_BLOCK", "E2M1_GRID", "FORMATS", "FormatSpec", "GRANULARITIES", "MODES", "QTensor", "QuantLinearSpec",
     "WEIGHT_BLOCK", "fake_quantize", "get_format", "make_spec", "quant_linear", "quantize", "quantize_activation",
-    "quantize_weight", "quantized_linear", "quantized_matmul", "residual_fake_quantize", "residual_quantize",
-    "select_backend",
+    "quantize_weight", "quantize_weight_compiled", "quantized_linear", "quantized_matmul", "residual_fake_quantize",
+    "residual_quantize", "select_backend",
 ]

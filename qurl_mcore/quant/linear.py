@@ -12,6 +12,7 @@ token/block), the simulated-quantization convention of the papers.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,18 @@ def make_spec(
 def quantize_weight(weight: torch.Tensor, spec: QuantLinearSpec) -> QTensor:
     """Q(W) as the layer uses it; the rollout engine calls this once per weight update."""
     return quantize(weight, spec.fmt, spec.weight_granularity, block_shape=spec.weight_block)
+
+
+@functools.cache
+def _compiled_quantize_weight():
+    # dynamic shapes: one graph serves every weight shape of a spec (recompiled per spec and weight dtype)
+    return torch.compile(quantize_weight, fullgraph=True, dynamic=True)
+
+
+def quantize_weight_compiled(weight: torch.Tensor, spec: QuantLinearSpec) -> QTensor:
+    """`quantize_weight` fused by torch.compile: bitwise the same QTensor in fewer passes over W. The first call
+    per spec compiles (seconds; a C++ compiler on CPU, Triton on GPU)."""
+    return _compiled_quantize_weight()(weight, spec)
 
 
 def _quantize_activation(x2: torch.Tensor, spec: QuantLinearSpec, granularity: str, residual: bool):

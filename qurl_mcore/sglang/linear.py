@@ -5,10 +5,10 @@ import torch
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 from sglang.srt.utils import set_weight_attrs
 
-from qurl_mcore.quant import quantize_weight, quantized_linear
+from qurl_mcore.quant import quantized_linear
 
 from . import kernels, weights
-from .options import QurlOptions
+from .options import REQUANTS, QurlOptions
 
 
 class QurlLinearMethod(LinearMethodBase):
@@ -18,6 +18,7 @@ class QurlLinearMethod(LinearMethodBase):
     def __init__(self, options: QurlOptions):
         self.options = options
         self.spec = options.spec()
+        self.quantize_weight = REQUANTS[options.requant]
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
@@ -31,7 +32,7 @@ class QurlLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         if not weights.is_loaded(layer, "weight"):
             return  # already quantized and nothing was restored since
-        fresh = quantize_weight(weights.at_home(layer, "weight", layer.weight.data), self.spec)
+        fresh = self.quantize_weight(weights.at_home(layer, "weight", layer.weight.data), self.spec)
         layer.qurl_weight = weights.store(getattr(layer, "qurl_weight", None), fresh)
         weights.detach_master(layer, "weight", host=self.options.master == "host")
 

@@ -8,11 +8,10 @@ from sglang.srt.layers.moe import MoeRunner, MoeRunnerBackend
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 from sglang.srt.utils import set_weight_attrs
 
-from qurl_mcore.quant import quantize_weight
 from qurl_mcore.quant.experts import experts_forward
 
 from . import kernels, weights
-from .options import QurlOptions
+from .options import REQUANTS, QurlOptions
 
 _WEIGHTS = ("w13_weight", "w2_weight")
 
@@ -24,6 +23,7 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
         super().__init__()
         self.options = options
         self.spec = options.spec()
+        self.quantize_weight = REQUANTS[options.requant]
         self.runner = None
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
@@ -53,7 +53,7 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
             return
         for name in _WEIGHTS:
             w = getattr(layer, name).data
-            fresh = [quantize_weight(weights.at_home(layer, name, w[e]), self.spec) for e in range(w.shape[0])]
+            fresh = [self.quantize_weight(weights.at_home(layer, name, w[e]), self.spec) for e in range(w.shape[0])]
             old = getattr(layer, f"qurl_{name}_experts", None)
             kept = None if old is None else [weights.store(o, f) for o, f in zip(old, fresh)]
             if kept is None or any(k is not o for k, o in zip(kept, old)):  # first load: one stacked copy

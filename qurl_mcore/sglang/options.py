@@ -20,6 +20,9 @@ Options (keys of the model's `quantization_config`, set from the engine with
           "qurl" (always qurl_mcore.quant.quantized_linear: bitwise the trainer's forward).
   master  where the full-precision weights wait between updates: "host" (default, CPU memory) or
           "device" (no copies per update, but full-precision memory stays on the accelerator).
+  requant how each update re-quantizes the weights: "eager" (default, `quantize_weight`) or "compiled"
+          (`quantize_weight_compiled`: torch.compile fuses it, bitwise the same codes; the engine's first
+          update per format compiles, seconds on CPU).
 """
 from __future__ import annotations
 
@@ -27,11 +30,16 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from qurl_mcore.precision import METHODS, SCOPES, default_scope, rollout_spec
+from qurl_mcore.quant import quantize_weight, quantize_weight_compiled
 
 KERNELS = ("auto", "qurl")
 #: a file every engine process appends the HF names of the linears it quantized to (sglang/config.py)
 QUANTIZED_LOG_ENV = "QURL_QUANTIZED_LOG"
 MASTERS = ("host", "device")
+#: how an engine re-quantizes pushed weights: the quantizer each name calls
+REQUANTS = {"eager": quantize_weight, "compiled": quantize_weight_compiled}
+#: the options a `quantization_config` may set (QurlOptions fields after `method`)
+_OPTIONS = ("fmt", "scope", "kernel", "master", "requant")
 #: Keys SGLang itself adds to the dict it hands to `from_config`.
 _SGLANG_KEYS = {"quant_method", "packed_modules_mapping", "hf_config"}
 
@@ -51,6 +59,7 @@ class QurlOptions:
     scope: str
     kernel: str = "auto"
     master: str = "host"
+    requant: str = "eager"
 
     @classmethod
     def parse(cls, method: str, config: Mapping[str, Any] | None = None) -> "QurlOptions":
@@ -61,9 +70,9 @@ class QurlOptions:
         declared = config.get("quant_method", method)
         if declared != method:
             raise ValueError(f"quantization_config names {declared!r} but the engine runs {method!r}")
-        unknown = set(config) - _SGLANG_KEYS - {"fmt", "scope", "kernel", "master"}
+        unknown = set(config) - _SGLANG_KEYS - set(_OPTIONS)
         if unknown:
-            raise ValueError(f"unknown qurl quantization option(s) {sorted(unknown)}; use fmt, scope, kernel, master")
+            raise ValueError(f"unknown qurl quantization option(s) {sorted(unknown)}; use {', '.join(_OPTIONS)}")
         formats = METHODS[method].formats
         if len(formats) == 1 and config.get("fmt", formats[0]) != formats[0]:
             raise ValueError(f"{method} always uses {formats[0]}; drop fmt={config['fmt']!r}")
@@ -72,6 +81,7 @@ class QurlOptions:
             scope=_choice("scope", config.get("scope", default_scope(method)), tuple(SCOPES)),
             kernel=_choice("kernel", config.get("kernel", "auto"), KERNELS),
             master=_choice("master", config.get("master", "host"), MASTERS),
+            requant=_choice("requant", config.get("requant", "eager"), tuple(REQUANTS)),
         )
 
     def spec(self):
@@ -80,5 +90,4 @@ class QurlOptions:
 
     def override_args(self) -> dict[str, Any]:
         """The `json_model_override_args` dict that selects exactly these options in an engine."""
-        return {"quantization_config": {"quant_method": self.method, "fmt": self.fmt, "scope": self.scope,
-                                        "kernel": self.kernel, "master": self.master}}
+        return {"quantization_config": {"quant_method": self.method, **{k: getattr(self, k) for k in _OPTIONS}}}

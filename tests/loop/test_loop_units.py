@@ -87,7 +87,7 @@ def test_engine_quantization_per_precision(precision, method, options):
     if precision == "fp4_rc_rollout":
         over.append("scope=all")
     cfg = load_config(None, over)
-    assert engine_quantization(cfg) == (method, options)
+    assert engine_quantization(cfg) == (method, {**options, "requant": "eager"} if method else {})
     from qurl_mcore.models.tiny import tiny_checkpoint
 
     config = engine_config(cfg, str(tiny_checkpoint("qwen3")), "cpu")
@@ -95,6 +95,23 @@ def test_engine_quantization_per_precision(precision, method, options):
     assert config.quantization == method and config.device == "cpu"
     assert not config.return_routed_experts  # a dense model routes nothing
     assert engine_config(cfg, str(tiny_checkpoint("qwen3_moe")), "cpu").return_routed_experts
+
+
+def test_rollout_requant_reaches_the_engines_options():
+    """`rollout.requant` names one of the plugin's quantizers (the config's choices are REQUANTS' keys)."""
+    from typing import get_args, get_type_hints
+
+    from qurl_mcore.config import RolloutConfig
+    from qurl_mcore.sglang.options import REQUANTS
+
+    assert get_args(get_type_hints(RolloutConfig)["requant"]) == tuple(REQUANTS)
+    cfg = load_config(None, ["precision=fp8", "rollout.requant=compiled"])
+    assert engine_quantization(cfg)[1]["requant"] == "compiled"
+    from qurl_mcore.models.tiny import tiny_checkpoint
+
+    assert engine_config(cfg, str(tiny_checkpoint("qwen3")), "cpu").options().requant == "compiled"
+    with pytest.raises(ValueError, match="rollout.requant"):
+        load_config(None, ["rollout.requant=jit"])
 
 
 def test_engine_failure_survives_pickling():

@@ -48,3 +48,32 @@ def test_fused_kernels_equal_eager_bitwise(fmt, granularity):
 def test_a_non_finite_input_still_raises_outside_a_graph():
     with pytest.raises(ValueError, match="non-finite"):
         quantize(torch.tensor([[1.0, float("nan")]]), "int8", "token")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,fmt", [("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"),
+                                        ("qurl_fp4", "mxfp4")])
+def test_compiled_weight_quantizer_equals_eager_bitwise_in_one_graph(method, fmt):
+    """An engine's `requant: compiled` quantizer: the same codes, scales and global scale as `quantize_weight`,
+    for BF16 weights of several shapes and an expert's slice of a stacked tensor, from one graph (dynamic
+    shapes: a model's many weight shapes must not recompile it per shape)."""
+    from torch._dynamo.utils import counters
+
+    from qurl_mcore.precision import rollout_spec
+    from qurl_mcore.quant import quantize_weight, quantize_weight_compiled
+
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    spec = rollout_spec(method, fmt)
+    experts = torch.randn(3, 96, 64, dtype=torch.bfloat16)
+    for w in (torch.randn(64, 128, dtype=torch.bfloat16) * 5, torch.randn(160, 96, dtype=torch.bfloat16), experts[1]):
+        got, want = quantize_weight_compiled(w, spec), quantize_weight(w, spec)
+        assert (got.fmt, got.granularity, got.shape, got.dtype) == (want.fmt, want.granularity, want.shape, want.dtype)
+        assert torch.equal(_bits(got.data), _bits(want.data)) and torch.equal(_bits(got.scale), _bits(want.scale))
+        assert (got.global_scale is None) == (want.global_scale is None)
+        assert got.global_scale is None or torch.equal(got.global_scale, want.global_scale)
+    assert counters["stats"]["unique_graphs"] - graphs == 1

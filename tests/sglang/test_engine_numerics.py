@@ -29,6 +29,7 @@ CASES = [
     ("qwen3_moe", "qurl_fp8", {}),
     ("qwen3_moe", "qurl_fp4", {"fmt": "nvfp4"}),
     ("qwen3_moe", "qurl_fp4_rc", {"fmt": "mxfp4", "scope": "experts"}),
+    ("qwen3_moe", "qurl_fp8", {"requant": "compiled"}),  # re-quantization by torch.compile: the same engine
     ("smollm2", "qurl_int8", {}),
     ("smollm2", "qurl_fp8", {}),
     ("smollm2", "qurl_fp4", {"fmt": "mxfp4"}),

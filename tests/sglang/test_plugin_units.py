@@ -22,7 +22,7 @@ def test_options_defaults_and_validation():
     # default scopes come from the precision table: W8A8 everywhere, FP4 on the experts (MoEResQ)
     assert QurlOptions.parse("qurl_int8").scope == "all" and QurlOptions.parse("qurl_fp4_rc").scope == "experts"
     for bad in ({"fmt": "int4"}, {"scope": "attention"}, {"kernel": "cutlass"}, {"master": "disk"}, {"bits": 4},
-                {"quant_method": "qurl_fp4"}):
+                {"requant": "jit"}, {"quant_method": "qurl_fp4"}):
         with pytest.raises(ValueError):
             QurlOptions.parse("qurl_fp4_rc", bad)
     with pytest.raises(ValueError, match="always uses int8"):
@@ -41,6 +41,17 @@ def test_registered_through_the_entry_point():
         assert QUANTIZATION_METHODS[method].method == method
         assert CPU_QUANTIZATION_METHODS[method] is QUANTIZATION_METHODS[method]
         assert method in QUANTIZATION_CHOICES
+
+
+def test_requant_picks_the_quantizer_of_linears_and_experts():
+    from qurl_mcore.quant import quantize_weight_compiled
+    from qurl_mcore.sglang.linear import QurlLinearMethod
+    from qurl_mcore.sglang.moe import QurlFusedMoEMethod
+
+    for requant, quantizer in (("eager", quantize_weight), ("compiled", quantize_weight_compiled)):
+        options = QurlOptions.parse("qurl_fp4", {"requant": requant})
+        assert QurlLinearMethod(options).quantize_weight is quantizer
+        assert QurlFusedMoEMethod(options).quantize_weight is quantizer
 
 
 def test_master_detach_attach_keeps_the_parameter_and_its_loader():
