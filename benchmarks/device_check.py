@@ -172,7 +172,7 @@ def main() -> None:
     section("trainer-tiny", deadline, 60, tiny)
     section("rollout-graphs", deadline, 30, graphs)
     section("rollout-decode", deadline, 30, decode)
-    section("rollout-requant", deadline, 40, requant)
+    section("rollout-requant", deadline, 90, requant)  # compiling 3 formats included
     section("trainer-1b", deadline, 120, one_b)
     section("trainer-moe", deadline, 40, moe)
     section("gpu-tests", deadline, 90, gpu_tests)

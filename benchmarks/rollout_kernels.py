@@ -4,8 +4,9 @@ GPU check, benchmarks/device_check.py; they run on the CPU too, where every quan
   decode    Y = Q(X)·Q(W)ᵀ as an engine runs it (`quantized_linear`, W8A8: per-token X, per-channel W, the
             GEMM `auto` picks: torch._int_mm / torch._scaled_mm on CUDA) against a bf16 linear, at decode
             batches M and the projection shapes [in, out] of 7B and 32B models; > 1: faster than bf16
-  requant   re-quantizing every quantized linear of Qwen2.5-7B (`quantize_weight`, what an engine does after a
-            push) against copying the same bf16 weights on the device (what the push itself does)
+  requant   re-quantizing every quantized linear of Qwen2.5-7B (what an engine does after a push: eager
+            `quantize_weight` or, with `requant: compiled`, `quantize_weight_compiled`; compiling is not
+            timed) against copying the same bf16 weights on the device (what the push itself does)
   graphs    each rollout method's linear (INT8, FP8, NVFP4, MXFP4, RC of both) captured in a CUDA graph, then
             replayed on new input and after an in-place refit (`sglang.weights.store`), and its emulated MoE
             experts (`quant.experts`) on new input and routing: equal to eager bitwise
@@ -15,6 +16,7 @@ Usage: python benchmarks/rollout_kernels.py [--device cpu|cuda] [--quick]
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 from quant_throughput import median_seconds
@@ -22,6 +24,7 @@ from quant_throughput import median_seconds
 from qurl_mcore.precision import rollout_spec
 from qurl_mcore.quant import quantize_weight
 from qurl_mcore.quant.linear import quantized_linear
+from qurl_mcore.sglang.options import REQUANTS
 
 DECODE_SHAPES = ((4096, 4096), (4096, 11008), (5120, 27648))  # [in, out]: 7B attention, 7B MLP, 32B MLP
 DECODE_BATCHES = (1, 16, 128)
@@ -55,11 +58,12 @@ def qwen25_7b_linears() -> list[tuple[int, int]]:
             and len(t.shape) == 2]
 
 
-def requant_ratios(device: str, shapes: list[tuple[int, int]], formats=(("qurl_int8", "int8"),
-                   ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4")), repeats: int = 3) -> tuple[float, dict[str, float]]:
-    """(seconds to copy the weight set, {format: re-quantize time / copy time}). One bf16 source per distinct
-    shape serves every tensor of that shape (each is far larger than any cache), so the set needs no more
-    memory than its largest tensors."""
+def requant_ratios(device: str, shapes: list[tuple[int, int]],
+                   formats=(("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4")),
+                   repeats: int = 3) -> tuple[float, dict[str, float]]:
+    """(seconds to copy the weight set, {"format requant": re-quantize time / copy time}) for each engine
+    re-quantizer (`REQUANTS`). One bf16 source per distinct shape serves every tensor of that shape (each is far
+    larger than any cache), so the set needs no more memory than its largest tensors."""
     sources = {s: torch.randn(s, device=device, dtype=torch.bfloat16) for s in set(shapes)}
     targets = {s: torch.empty_like(t) for s, t in sources.items()}
 
@@ -69,9 +73,10 @@ def requant_ratios(device: str, shapes: list[tuple[int, int]], formats=(("qurl_i
 
     base = median_seconds(copy_all, repeats)
     ratios = {}
-    for method, fmt in formats:
+    for (method, fmt), (requant, quantizer) in itertools.product(formats, REQUANTS.items()):
         spec = rollout_spec(method, fmt)
-        ratios[fmt] = median_seconds(lambda: [quantize_weight(sources[s], spec) for s in shapes], repeats) / base
+        ratios[f"{fmt} {requant}"] = median_seconds(lambda: [quantizer(sources[s], spec) for s in shapes],
+                                                    repeats) / base
     return base, ratios
 
 
