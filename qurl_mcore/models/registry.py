@@ -78,31 +78,33 @@ def hf_linears(hf_config: Any) -> dict[str, str]:
 @functools.lru_cache(maxsize=8)
 def _index(archs: tuple[Architecture, ...]) -> dict[str, list[tuple[re.Pattern, Any]]]:
     """Name patterns of every table: Megatron parameter -> slot, HF tensor -> UAQ role, SGLang module -> the
-    slots it holds. A template two tables give different meanings is an error."""
+    slots it holds. Tables may give one Megatron parameter different HF names, never a different group, layout
+    or UAQ roles; an HF or SGLang name means one thing in every table."""
     megatron: dict[str, Slot] = {}
     hf: dict[str, str | None] = {}
-    sglang: dict[str, list[Slot]] = {}
+    sglang: dict[str, tuple[Slot, ...]] = {}
     for arch in archs:
+        held: dict[str, tuple[Slot, ...]] = {}
         for slot in arch.slots:
             if not slot.exported:
                 continue
-            _agree(megatron, slot.megatron, slot, arch)
+            _agree(megatron, slot.megatron, slot, arch, lambda s: (s.group, s.layout, s.uaq))
             for template, role in zip(slot.hf, slot.uaq or (None,) * len(slot.hf)):
                 _agree(hf, template, role, arch)
             if slot.sglang:
-                held = sglang.setdefault(slot.sglang, [])
-                if slot not in held:
-                    held.append(slot)
+                held[slot.sglang] = held.get(slot.sglang, ()) + (slot,)
+        for template, these in held.items():
+            _agree(sglang, template, these, arch, lambda ss: [(s.group, s.hf) for s in ss])
     # search (not match): a Megatron name may carry a wrapper's prefix ("module."), an SGLang one its model's
     return {"megatron": [(re.compile(r"(?:^|\.)" + pattern(t).pattern), s) for t, s in megatron.items()],
             "hf": [(pattern(t), r) for t, r in hf.items() if r is not None],
             "sglang": [(re.compile(r"(?:^|\.)" + pattern(t).pattern), s) for t, s in sglang.items()]}
 
 
-def _agree(table: dict, key: str, value: Any, arch: Architecture) -> None:
-    if key in table and table[key] != value:
+def _agree(table: dict, key: str, value: Any, arch: Architecture, meaning=lambda v: v) -> None:
+    if key in table and meaning(table[key]) != meaning(value):
         raise ValueError(f"architecture {arch.model_type!r} gives {key} another meaning than an earlier table")
-    table[key] = value
+    table.setdefault(key, value)
 
 
 def _lookup(kind: str, name: str) -> tuple[re.Match, Any] | None:
