@@ -41,8 +41,8 @@ LINEAR_GROUPS = ("attention", "mlp", "experts", "shared_experts")
 
 @dataclass(frozen=True)
 class Shape:
-    """The fields of an HF config.json that size a model (`Shape.of` reads them, with the features of its
-    architecture)."""
+    """The fields of an HF config.json that size a model, and the features its architecture gives it
+    (`Architecture.features`)."""
 
     model_type: str
     hidden: int
@@ -52,13 +52,11 @@ class Shape:
     kv_heads: int
     head_dim: int
     vocab: int
-    tied: bool
     experts: int
     topk: int
     moe_intermediate: int
     shared_intermediate: int
-    qkv_bias: bool
-    qk_norm: bool
+    features: frozenset[str]
 
     @classmethod
     def of(cls, hf: Mapping[str, Any], features: frozenset[str]) -> Shape:
@@ -66,11 +64,17 @@ class Shape:
         return cls(
             model_type=hf.get("model_type", ""), hidden=h, intermediate=hf.get("intermediate_size", 0),
             layers=hf["num_hidden_layers"], heads=a, kv_heads=hf.get("num_key_value_heads") or a,
-            head_dim=hf.get("head_dim") or h // a, vocab=hf["vocab_size"], tied="tied" in features,
-            experts=config_experts(hf), topk=hf.get("num_experts_per_tok") or 0,
-            moe_intermediate=hf.get("moe_intermediate_size") or 0,
-            shared_intermediate=hf.get("shared_expert_intermediate_size") or 0,
-            qkv_bias="qkv_bias" in features, qk_norm="qk_norm" in features)
+            head_dim=hf.get("head_dim") or h // a, vocab=hf["vocab_size"], experts=config_experts(hf),
+            topk=hf.get("num_experts_per_tok") or 0, moe_intermediate=hf.get("moe_intermediate_size") or 0,
+            shared_intermediate=hf.get("shared_expert_intermediate_size") or 0, features=features)
+
+    @property
+    def tied(self) -> bool:
+        return "tied" in self.features
+
+    @property
+    def qk_norm(self) -> bool:
+        return "qk_norm" in self.features
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2, tp: int = 1) -> int:
         """KV cache per token: 2 (k, v) · L · g · d · bytes, per GPU of a TP engine (g/TP heads, at least one)."""
@@ -147,8 +151,10 @@ class Architecture:
 
     def slots_of(self, hf: Mapping[str, Any]) -> tuple[Slot, ...]:
         """The slots a config of this type has (those whose feature it has)."""
-        have = self.features(hf)
-        return tuple(s for s in self.slots if not s.needs or s.needs in have)
+        return self.slots_with(self.features(hf))
+
+    def slots_with(self, features: frozenset[str]) -> tuple[Slot, ...]:
+        return tuple(s for s in self.slots if not s.needs or s.needs in features)
 
     @property
     def moe(self) -> bool:
