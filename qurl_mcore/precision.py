@@ -2,18 +2,15 @@
 
 A *precision* names both sides at once, so that they cannot drift apart: the quantized-linear mode of the
 trainer's linears, the SGLang method of the engines, the formats it runs in. A *scope* names the linears a
-precision quantizes, by *group*, and both sides ask this module which groups that is:
-
-  group           HF modules (in model.layers.{i}.)                Megatron slot (in decoder.layers.{i}.)
-  attention       self_attn.{q,k,v,o}_proj                          self_attention.linear_{qkv,proj}
-  mlp             mlp.{gate,up,down}_proj (dense models)            mlp.linear_fc{1,2}
-  experts         mlp.experts.{e}.{gate,up,down}_proj               mlp.experts.local_experts.{e}.linear_fc{1,2}
-  shared_experts  mlp.shared_expert.{gate,up,down}_proj             mlp.shared_experts.linear_fc{1,2}
+precision quantizes, by *linear group* (the `group` of each weight in its architecture's table,
+`qurl_mcore.models`), and both sides ask this module which groups that is:
 
   scope "experts"  experts + mlp: the routed experts (MoEResQ's experts-only scope); a dense model's MLP is
-                   its one expert, so that the scope means the same linears on both sides for every model
-  scope "all"      every group above
-Routers (mlp.gate), norms, embeddings and the output layer are never quantized.
+                   its one expert, so that the scope means the same linears on both sides for every model.
+                   Shared experts are not routed experts: they run for every token, like a dense MLP beside
+                   the router, and only scope "all" quantizes them
+  scope "all"      every linear group (attention, mlp, experts, shared_experts)
+Routers, norms, embeddings and the output layer are never quantized.
 
 A precision whose trainer runs full precision while the engines quantize (QuRL's int8/fp8) quantizes
 nothing on the trainer by design: the behaviour policy is the quantized one and the loss corrects for it.
@@ -21,18 +18,16 @@ Every other asymmetry is an ablation and is a named row of `PRECISIONS` (MoEResQ
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-#: linear groups, in table order; the router is never quantized and is not a group
-GROUPS = ("attention", "mlp", "experts", "shared_experts")
+from qurl_mcore.models.registry import hf_linears
+from qurl_mcore.models.slots import LINEAR_GROUPS
 
 #: scope -> the linear groups it quantizes (module docstring)
 SCOPES: dict[str, frozenset[str]] = {
     "experts": frozenset({"experts", "mlp"}),
-    "all": frozenset(GROUPS),
+    "all": frozenset(LINEAR_GROUPS),
 }
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
@@ -143,9 +138,9 @@ def default_scope(method: str) -> str:
 
 
 def quantizes(scope: str, group: str) -> bool:
-    """Whether `scope` quantizes the linears of `group` (a name of `GROUPS`)."""
-    if group not in GROUPS:
-        raise ValueError(f"unknown linear group {group!r}; use one of {list(GROUPS)}")
+    """Whether `scope` quantizes the linears of `group` (a name of `LINEAR_GROUPS`)."""
+    if group not in LINEAR_GROUPS:
+        raise ValueError(f"unknown linear group {group!r}; use one of {list(LINEAR_GROUPS)}")
     return group in SCOPES[scope]
 
 
@@ -175,43 +170,6 @@ def rollout_spec(method: str, fmt: str | None = None):
 
 # ---- the linears of a model, by HF name -------------------------------------------------------------------
 
-_PROJ = ("gate_proj", "up_proj", "down_proj")
-
-
-def _config(hf_config: Any) -> dict:
-    """An HF config as a dict: from a checkpoint directory's config.json, a dict, or a transformers config."""
-    if isinstance(hf_config, (str, Path)):
-        return json.loads((Path(hf_config) / "config.json").read_text())
-    if isinstance(hf_config, dict):
-        return hf_config
-    return hf_config.to_dict()
-
-
-def num_experts(hf_config: Any) -> int:
-    """Routed experts of an MoE config (0: dense); transformers 5 writes Qwen3-MoE's as num_local_experts."""
-    c = _config(hf_config)
-    return c.get("num_experts") or c.get("num_local_experts") or 0
-
-
-def linear_groups(hf_config: Any) -> dict[str, str]:
-    """HF module name (without `.weight`) -> group, for every linear of a Llama/Qwen2/Qwen3/Qwen3-MoE model
-    that a scope can quantize."""
-    c = _config(hf_config)
-    experts = num_experts(c)
-    shared = c.get("shared_expert_intermediate_size") or 0
-    out: dict[str, str] = {}
-    for i in range(c["num_hidden_layers"]):
-        layer = f"model.layers.{i}."
-        out.update({f"{layer}self_attn.{p}_proj": "attention" for p in "qkvo"})
-        if experts:
-            out.update({f"{layer}mlp.experts.{e}.{p}": "experts" for e in range(experts) for p in _PROJ})
-            if shared:
-                out.update({f"{layer}mlp.shared_expert.{p}": "shared_experts" for p in _PROJ})
-        else:
-            out.update({f"{layer}mlp.{p}": "mlp" for p in _PROJ})
-    return out
-
-
 def quantized_linears(hf_config: Any, precision: str, scope: str = "auto", side: str = "rollout") -> set[str]:
     """HF module names (without `.weight`) of the linears `precision` quantizes under `scope`, on `side`
     ("rollout" or "train"). Both sides quantize this same set, except that the trainer of a QuRL row
@@ -221,7 +179,7 @@ def quantized_linears(hf_config: Any, precision: str, scope: str = "auto", side:
         raise ValueError(f"side must be 'rollout' or 'train', got {side!r}")
     if (p.rollout is None) if side == "rollout" else not p.trains_quantized:
         return set()
-    return {name for name, group in linear_groups(hf_config).items() if quantizes(scope, group)}
+    return {name for name, group in hf_linears(hf_config).items() if quantizes(scope, group)}
 
 
 def markdown_table() -> str:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .precision import METHODS, PRECISIONS, get_precision, linear_groups, num_experts, quantized_linears
-
+from .models.registry import hf_linears, num_experts
+from .precision import METHODS, PRECISIONS, get_precision, quantized_linears
 
 DATA_SAMPLE = 100  # prompt rows read by the check (the run reads them all)
 
@@ -43,7 +43,7 @@ class Preflight:
 def _linears_line(hf: dict, names: set[str]) -> str:
     if not names:
         return "none (full precision)"
-    groups = linear_groups(hf)
+    groups = hf_linears(hf)
     counts = collections.Counter(groups[n] for n in names)
     return f"{len(names)} linears (" + ", ".join(f"{g} {c}" for g, c in sorted(counts.items())) + ")"
 

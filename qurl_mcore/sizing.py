@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .precision import num_experts, quantized_linears
+from .models.registry import num_experts
+from .precision import quantized_linears
 
 GB = 10**9
 GiB = 2**30
@@ -222,7 +223,7 @@ class Shape:
 @functools.lru_cache(maxsize=64)
 def _quantized(s: Shape, precision: str, scope: str, side: str) -> frozenset[str]:
     """HF weight names `precision.quantized_linears` gives for this shape (cached: MoE models have 10^4+)."""
-    c = {"num_hidden_layers": s.layers, "num_experts": s.experts,
+    c = {"model_type": s.model_type, "num_hidden_layers": s.layers, "num_experts": s.experts,
          "shared_expert_intermediate_size": s.shared_intermediate}
     return frozenset(n + ".weight" for n in quantized_linears(c, precision, scope, side))
 

@@ -16,11 +16,11 @@ grows by s, so it is divided by s: it stays in high precision, the division only
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import torch
 
+from qurl_mcore.models.registry import hf_uaq_role
 from qurl_mcore.quant import quantize
 
 #: role -> k such that UAQ multiplies the tensor by s**k
@@ -29,32 +29,10 @@ UAQ_EXPONENTS: dict[str, int] = {
     "mlp_norm": 1, "gate": -1, "up": 0, "down": -1, "router": -1,
 }
 
-#: HF (Llama/Qwen2/Qwen3/Qwen3-MoE) parameter name suffix -> UAQ role; other parameters are unchanged
-HF_ROLES: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), r) for p, r in (
-    (r"\.input_layernorm\.weight$", "attn_norm"),
-    (r"\.self_attn\.q_proj\.weight$", "q"),
-    (r"\.self_attn\.k_proj\.weight$", "k"),
-    (r"\.self_attn\.v_proj\.weight$", "v"),
-    (r"\.self_attn\.q_proj\.bias$", "q_bias"),
-    (r"\.self_attn\.k_proj\.bias$", "k_bias"),
-    (r"\.self_attn\.v_proj\.bias$", "v_bias"),
-    (r"\.self_attn\.o_proj\.weight$", "o"),
-    (r"\.post_attention_layernorm\.weight$", "mlp_norm"),
-    (r"\.mlp\.(experts\.\d+\.)?gate_proj\.weight$", "gate"),
-    (r"\.mlp\.(experts\.\d+\.)?up_proj\.weight$", "up"),
-    (r"\.mlp\.(experts\.\d+\.)?down_proj\.weight$", "down"),
-    (r"\.mlp\.gate\.weight$", "router"),
-))
-
-
-def hf_role(name: str) -> str | None:
-    """The UAQ role of an HF parameter name, or None if UAQ leaves it alone."""
-    return next((role for pattern, role in HF_ROLES if pattern.search(name)), None)
-
-
 def uaq_scale_hf(name: str, tensor: torch.Tensor, s: float) -> torch.Tensor:
-    """`tensor` (HF parameter `name`) as UAQ with factor s makes it: tensor·s**k for its role, computed in fp32."""
-    role = hf_role(name)
+    """`tensor` (HF parameter `name`) as UAQ with factor s makes it: tensor·s**k for its role (the `uaq` of its
+    slot in the architecture table, `qurl_mcore.models`), computed in fp32."""
+    role = hf_uaq_role(name)
     k = UAQ_EXPONENTS[role] if role else 0
     return tensor if k == 0 else (tensor.float() * s**k).to(tensor.dtype)
 

@@ -14,7 +14,7 @@ import torch
 
 from qurl_mcore.config import load_config
 from qurl_mcore.models.cards import CARDS, card
-from qurl_mcore.precision import linear_groups
+from qurl_mcore.models.registry import hf_linears
 from qurl_mcore.sizing import (
     WEIGHT_FORMATS,
     Shape,
@@ -46,8 +46,8 @@ def test_parameter_count_equals_the_hf_model(model):
     assert parameter_count(s) == _hf_numel(Path(source).parent)
     # the linears a scope can quantize are the planner's linear weights (precision.py's list, not a copy)
     linears = {t.name for t in hf_tensors(s) if t.kind in ("attention", "mlp", "experts", "shared_experts")}
-    assert linears == {n + ".weight" for n in linear_groups(hf)}
-    assert all(t.kind == linear_groups(hf)[t.name.removesuffix(".weight")] for t in hf_tensors(s) if t.name in linears)
+    assert linears == {n + ".weight" for n in hf_linears(hf)}
+    assert all(t.kind == hf_linears(hf)[t.name.removesuffix(".weight")] for t in hf_tensors(s) if t.name in linears)
 
 
 #: the parameter totals on the models' Hugging Face pages (rounded as the pages print them)

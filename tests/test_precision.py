@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from qurl_mcore.models import ARCHITECTURES
+from qurl_mcore.models.registry import hf_linears
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.precision import (
-    ALIGNMENT_ROWS, METHODS, PRECISIONS, SCOPES, default_scope, get_precision, linear_groups, markdown_table,
+    ALIGNMENT_ROWS, METHODS, PRECISIONS, SCOPES, default_scope, get_precision, markdown_table,
     quantized_linears, resolve, rollout_spec, train_spec,
 )
 
@@ -61,7 +62,7 @@ def test_linear_sets_by_hand():
     assert quantized_linears(dense, "int8", side="train") == set()  # QuRL trains in full precision
     assert quantized_linears(dense, "bf16") == set()
     assert "model.layers.1.mlp.experts.3.down_proj" in quantized_linears(moe, "fp4")
-    assert not any(".mlp.gate" == n[-9:] for n in linear_groups(moe))  # the router is never a candidate
+    assert not any(".mlp.gate" == n[-9:] for n in hf_linears(moe))  # the router is never a candidate
 
 
 def test_the_doc_table_is_the_table():

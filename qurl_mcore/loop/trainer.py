@@ -84,7 +84,7 @@ class PolicyTrainer:
             # the rollout's quantization step (QuRL §4.3); the function computed is unchanged
             apply_uaq(self.model, cfg.uaq.scale)
         from qurl_mcore.megatron.replay import RoutingTaps
-        from qurl_mcore.precision import num_experts
+        from qurl_mcore.models.registry import num_experts
 
         self.moe = num_experts(self.hf) > 0
         self.taps = RoutingTaps(self.model)  # none in a dense model (or a pipeline stage without MoE layers)

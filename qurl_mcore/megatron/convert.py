@@ -1,18 +1,10 @@
-"""HF <-> Megatron weights for Llama (SmolLM2), Qwen2, Qwen3 and Qwen3-MoE, driven by one name table.
+"""HF <-> Megatron weights for every architecture of `qurl_mcore.models`, driven by its table.
 
-Each `Rule` pairs a Megatron parameter with the HF tensors it is made of and a *layout* that says how the HF
-tensors merge into Megatron's full tensor and how that tensor is sharded over tensor parallelism:
-
-  replicated  one HF tensor, every rank holds all of it          (norms, router)
-  rows        one HF tensor, split along dim 0                    (embedding, output layer: vocab parallel)
-  columns     one HF tensor, split along dim 1                    (linear_proj, linear_fc2)
-  qkv         q, k, v interleaved per query group:                (linear_qkv weight and bias)
-              [q_g (heads/groups·d rows), k_g (d), v_g (d)] for g = 0..groups-1, then split along dim 0,
-              so each TP rank holds whole groups
-  gate_up     [gate; up], each half split along dim 0, so rank r holds [gate_r; up_r]   (linear_fc1, SwiGLU)
-
-Expert rules are sharded over the expert-tensor-parallel group instead, and live on the expert-parallel rank
-that owns them: Megatron's local expert j on EP rank r is HF expert r·(experts/EP) + j.
+Each slot of the table (`qurl_mcore.models.slots`) pairs a Megatron parameter with the HF tensors it is made
+of and a *layout* that says how the HF tensors merge into Megatron's full tensor and how that tensor is
+sharded over tensor parallelism; expert slots are sharded over the expert-tensor-parallel group instead, and
+live on the expert-parallel rank that owns them: Megatron's local expert j on EP rank r is HF expert
+r·(experts/EP) + j.
 
 `load_hf_weights` fills a Megatron model from an HF checkpoint (every tensor used, every parameter set);
 `export_hf_weights` gathers the shards and yields HF-named tensors in buckets of bounded size, the format
@@ -28,79 +20,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from qurl_mcore.models.registry import slots
+from qurl_mcore.models.slots import Slot, pattern
 from qurl_mcore.transfer import buckets, dtype_name
 from qurl_mcore.uaq import uaq_scale_hf
 
 from .models import load_hf_config
-
-LAYOUTS = ("replicated", "rows", "columns", "qkv", "gate_up")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """Megatron parameter template <- HF templates, with `{layer}` and (experts) `{expert}` placeholders."""
-
-    megatron: str
-    hf: tuple[str, ...]
-    layout: str
-    needs: str = ""  # the feature (see `features`) this rule exists under; "" = always
-    exported: bool = True  # False: a copy of a tensor another rule exports
-
-    def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; use one of {list(LAYOUTS)}")
-
-
-_L = "decoder.layers.{layer}."
-_H = "model.layers.{layer}."
-_E = _L + "mlp.experts.local_experts.{expert}."
-_HE = _H + "mlp.experts.{expert}."
-NAME_TABLE: tuple[Rule, ...] = (
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "rows"),
-    Rule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "replicated"),
-    Rule(_L + "self_attention.linear_qkv.weight",
-         tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
-    Rule(_L + "self_attention.linear_qkv.bias",
-         tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", needs="qkv_bias"),
-    Rule(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",), "replicated", needs="qk_norm"),
-    Rule(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), "replicated", needs="qk_norm"),
-    Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "columns"),
-    Rule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated"),
-    Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up",
-         needs="dense"),
-    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "columns", needs="dense"),
-    Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), "replicated", needs="moe"),
-    Rule(_E + "linear_fc1.weight", (_HE + "gate_proj.weight", _HE + "up_proj.weight"), "gate_up", needs="moe"),
-    Rule(_E + "linear_fc2.weight", (_HE + "down_proj.weight",), "columns", needs="moe"),
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
-    Rule("output_layer.weight", ("lm_head.weight",), "rows", needs="untied"),
-    # tied embeddings under pipeline parallelism: the last stage keeps a copy of the embedding as its output
-    # layer (Megatron all-reduces the two gradients)
-    Rule("output_layer.weight", ("model.embed_tokens.weight",), "rows", needs="tied", exported=False),
-)
-
-
-def features(hf_config) -> set[str]:
-    """The table features an HF config has: qkv_bias, qk_norm, dense or moe, tied or untied."""
-    hf = load_hf_config(hf_config)
-    out = {"moe" if hf.model_type == "qwen3_moe" else "dense"}
-    if hf.model_type == "qwen2" or getattr(hf, "attention_bias", False):
-        out.add("qkv_bias")
-    if hf.model_type in ("qwen3", "qwen3_moe"):
-        out.add("qk_norm")
-    out.add("tied" if hf.tie_word_embeddings else "untied")
-    return out
-
-
-def name_table(hf_config) -> tuple[Rule, ...]:
-    """The rules that apply to this architecture."""
-    have = features(hf_config)
-    return tuple(r for r in NAME_TABLE if not r.needs or r.needs in have)
-
-
-def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(r"\{layer\}", r"(?P<layer>\d+)")
-                      .replace(r"\{expert\}", r"(?P<expert>\d+)") + "$")
 
 
 # ---- layouts: merge/split between HF tensors and Megatron's full tensor; shard/unshard over TP ----------
@@ -185,10 +110,6 @@ def _placement(model) -> _Placement:
                       get_transformer_layer_offset(config), len(model.decoder.layers))
 
 
-def _is_expert(rule: Rule) -> bool:
-    return "{expert}" in rule.megatron
-
-
 def _fill(template: str, layer: int | None, expert: int | None) -> str:
     return template.format(layer=layer, expert=expert)
 
@@ -208,21 +129,21 @@ def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _sources(rules: list[tuple[Rule, re.Pattern]], name: str, where: _Placement) -> tuple[Rule, list[str]]:
+def _sources(rules: list[tuple[Slot, re.Pattern]], name: str, where: _Placement) -> tuple[Slot, list[str]]:
     """The rule of Megatron parameter `name` (this rank's naming) and the HF tensor names it is made of."""
     match = next(((r, m) for r, p in rules if (m := p.match(name))), None)
     if match is None:
-        raise KeyError(f"Megatron parameter {name} has no entry in the name table")
+        raise KeyError(f"Megatron parameter {name} has no slot in its architecture table (qurl_mcore.models)")
     rule, m = match
     layer = where.layer_offset + int(m["layer"]) if "layer" in m.groupdict() else None
-    expert = where.ep_rank * where.local_experts + int(m["expert"]) if _is_expert(rule) else None
+    expert = where.ep_rank * where.local_experts + int(m["expert"]) if rule.per_expert else None
     return rule, [_fill(t, layer, expert) for t in rule.hf]
 
 
 def hf_names(model, hf_config, param_name: str) -> list[str]:
     """The HF tensor names Megatron parameter `param_name` of this rank's `model` is made of (an expert
     shard names its global expert)."""
-    rules = [(r, _pattern(r.megatron)) for r in name_table(hf_config)]
+    rules = [(r, pattern(r.megatron)) for r in slots(hf_config)]
     return _sources(rules, param_name, _placement(model))[1]
 
 
@@ -282,11 +203,11 @@ def load_hf_weights(model, hf_dir: str | Path) -> None:
     hf = load_hf_config(hf_dir)
     ckpt = _Checkpoint(hf_dir)
     where = _placement(model)
-    rules = [(r, _pattern(r.megatron)) for r in name_table(hf)]
+    rules = [(r, pattern(r.megatron)) for r in slots(hf)]
     used: set[str] = set()
     for name, param in model.named_parameters():
         rule, names = _sources(rules, name, where)
-        group = where.etp_group if _is_expert(rule) else where.tp_group
+        group = where.etp_group if rule.per_expert else where.tp_group
         missing = [n for n in names if n not in ckpt.where]
         if missing:
             raise KeyError(f"{name} needs {missing}, absent from the HF checkpoint")
@@ -315,11 +236,11 @@ def _iter_stage_tensors(model, hf, where: _Placement) -> Iterator[tuple[str, tor
     """(HF name, full tensor) for every rule instance of this pipeline stage (its layers; the embedding on
     the first stage, the final norm and output layer on the last); collective over the stage's TP/EP ranks."""
     params = dict(model.named_parameters())
-    for rule in name_table(hf):
+    for rule in slots(hf):
         if not rule.exported:
             continue
-        layers = range(where.local_layers) if "{layer}" in rule.megatron else [None]
-        experts = range(where.local_experts) if _is_expert(rule) else [None]
+        layers = range(where.local_layers) if rule.per_layer else [None]
+        experts = range(where.local_experts) if rule.per_expert else [None]
         for local_layer in layers:
             layer = None if local_layer is None else where.layer_offset + local_layer
             for local in experts:

@@ -82,7 +82,8 @@ def unscale_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, uaq_scale: fl
     safetensors file at a time; every other file is copied; `out_dir` appears whole or not at all."""
     from safetensors.torch import load_file, save_file
 
-    from qurl_mcore.uaq import hf_role, uaq_scale_hf
+    from qurl_mcore.models.registry import hf_uaq_role
+    from qurl_mcore.uaq import uaq_scale_hf
 
     src, out = Path(hf_dir), Path(out_dir)
     if not uaq_scale > 0:
@@ -97,7 +98,7 @@ def unscale_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, uaq_scale: fl
     rescaled = 0
     for f in files:
         state = load_file(str(f))
-        rescaled += sum(hf_role(n) is not None for n in state)
+        rescaled += sum(hf_uaq_role(n) is not None for n in state)
         save_file({n: uaq_scale_hf(n, t, 1.0 / uaq_scale).contiguous() for n, t in state.items()},
                   str(partial / f.name), metadata={"format": "pt"})
     if not rescaled:

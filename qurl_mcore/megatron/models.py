@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from qurl_mcore.models import ARCHITECTURES
+from qurl_mcore.models.registry import architecture
 
 
 def load_hf_config(hf: Any):
@@ -26,8 +26,7 @@ def load_hf_config(hf: Any):
         from transformers import AutoConfig
 
         hf = AutoConfig.from_pretrained(hf)
-    if hf.model_type not in ARCHITECTURES:
-        raise ValueError(f"model_type {hf.model_type!r} is not supported; use one of {list(ARCHITECTURES)}")
+    architecture(hf)  # refuses an unsupported model_type
     return hf
 
 
@@ -47,7 +46,9 @@ def gpt_config(hf_config, **overrides: Any):
 
     hf = load_hf_config(hf_config)
     tp = ps.get_tensor_model_parallel_world_size()
-    moe = hf.model_type == "qwen3_moe"
+    arch = architecture(hf)
+    have = arch.features(hf.to_dict())
+    moe = arch.moe
     if moe and (getattr(hf, "mlp_only_layers", None) or hf.decoder_sparse_step != 1):
         raise NotImplementedError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step > 1)")
     kw: dict[str, Any] = dict(
@@ -62,8 +63,8 @@ def gpt_config(hf_config, **overrides: Any):
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-        qk_layernorm=hf.model_type in ("qwen3", "qwen3_moe"),
+        add_qkv_bias="qkv_bias" in have,
+        qk_layernorm="qk_norm" in have,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=torch.float32,

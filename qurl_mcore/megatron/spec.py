@@ -1,11 +1,11 @@
 """`gpt_spec`: the GPT block spec (dense or MoE) of a precision and scope (`qurl_mcore.precision`), derived
 from Megatron's local spec (`get_gpt_layer_local_spec`) by swapping only the linears of the groups the scope
-quantizes. The slots of each group:
+quantizes. Which Megatron parameter belongs to which linear group is its slot's `group` in the architecture
+table (`qurl_mcore.models`); the spec swaps, per group, the Megatron submodules below:
 
-  attention       self_attention.linear_qkv, self_attention.linear_proj
-  mlp             mlp.linear_fc1, mlp.linear_fc2                    (dense models)
-  experts         mlp.experts.local_experts.{e}.linear_fc1/fc2      (MoE)
-  shared_experts  mlp.shared_experts.linear_fc1/fc2                 (MoE with shared experts)
+  attention       self_attention's linear_qkv (column) and linear_proj (row)
+  mlp, experts,   the MLP's linear_fc1 (column) and linear_fc2 (row): the dense MLP, every routed expert's,
+  shared_experts  the shared experts'
 Routers, norms, embeddings and the output layer are never quantized (GPTModel builds the last two itself).
 A precision that trains in full precision (bf16, and QuRL's int8/fp8) keeps every stock linear.
 
@@ -15,7 +15,6 @@ what `qurl plan` sizes) or Megatron's unfused local one (the default on the CPU,
 from __future__ import annotations
 
 import importlib.util
-import re
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -25,24 +24,18 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from qurl_mcore.models.registry import megatron_slot
 from qurl_mcore.precision import get_precision, quantizes, resolve, train_spec
 
 from .attention import SDPAttention
 from .layers import QuantColumnParallelLinear, QuantRowParallelLinear, SequenceParallelNorm
 
-#: Megatron parameter name -> linear group (the table of the module docstring)
-_GROUP_OF = tuple((re.compile(p), g) for p, g in (
-    (r"\.self_attention\.linear_(qkv|proj)\.weight$", "attention"),
-    (r"\.mlp\.experts\.local_experts\.\d+\.linear_fc[12]\.weight$", "experts"),
-    (r"\.mlp\.shared_experts\.linear_fc[12]\.weight$", "shared_experts"),
-    (r"\.mlp\.linear_fc[12]\.weight$", "mlp"),
-))
-
 
 def linear_group(param_name: str) -> str | None:
-    """The linear group (`qurl_mcore.precision.GROUPS`) of a Megatron weight, None for weights no scope
-    quantizes (router, norms, embedding, output layer)."""
-    return next((g for p, g in _GROUP_OF if p.search(param_name)), None)
+    """The linear group (`qurl_mcore.models.slots.LINEAR_GROUPS`) of a Megatron weight, None for weights no scope
+    quantizes (router, norms, embedding, output layer, biases)."""
+    slot = megatron_slot(param_name)
+    return slot.group if slot is not None and slot.quantizable else None
 
 
 def quantized_linears(model, hf_config) -> set[str]:

@@ -7,43 +7,33 @@ rank scales its own shards with no communication.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 
 import torch
 
+from qurl_mcore.models.registry import megatron_slot
+from qurl_mcore.models.slots import Slot
 from qurl_mcore.uaq import UAQ_EXPONENTS, update_capture_ratio
 
 from .spec import linear_group
 
-def _scale_qkv(t: torch.Tensor, config, s: float, roles: tuple[str, str, str]) -> None:
-    q_per_group = config.num_attention_heads // config.num_query_groups
-    groups = t.view(-1, q_per_group + 2, config.kv_channels, *t.shape[1:])
-    groups[:, :q_per_group].mul_(s ** UAQ_EXPONENTS[roles[0]])
-    groups[:, q_per_group].mul_(s ** UAQ_EXPONENTS[roles[1]])
-    groups[:, q_per_group + 1].mul_(s ** UAQ_EXPONENTS[roles[2]])
 
-
-def _scale_gate_up(t: torch.Tensor, config, s: float) -> None:
-    gate, up = t.chunk(2, dim=0)
-    gate.mul_(s ** UAQ_EXPONENTS["gate"])
-    up.mul_(s ** UAQ_EXPONENTS["up"])
-
-
-def _whole(role: str) -> Callable:
-    return lambda t, config, s: t.mul_(s ** UAQ_EXPONENTS[role])
-
-
-_ACTIONS: tuple[tuple[re.Pattern, Callable], ...] = tuple((re.compile(p), f) for p, f in (
-    (r"\.input_layernorm\.(weight|bias)$", _whole("attn_norm")),
-    (r"\.linear_qkv\.weight$", lambda t, c, s: _scale_qkv(t, c, s, ("q", "k", "v"))),
-    (r"\.linear_qkv\.bias$", lambda t, c, s: _scale_qkv(t, c, s, ("q_bias", "k_bias", "v_bias"))),
-    (r"\.linear_proj\.weight$", _whole("o")),
-    (r"\.pre_mlp_layernorm\.(weight|bias)$", _whole("mlp_norm")),
-    (r"\.linear_fc1\.weight$", _scale_gate_up),
-    (r"\.linear_fc2\.weight$", _whole("down")),
-    (r"\.router\.weight$", _whole("router")),
-))
+def _scale(t: torch.Tensor, slot: Slot, config, s: float) -> None:
+    """Multiply this rank's shard `t` of `slot`'s parameter by s**k of each HF tensor's role, in the slot's
+    layout: whole rows of each local query group [q heads, k, v] (qkv), the halves [gate; up] (gate_up), or
+    the whole tensor."""
+    factors = [s ** UAQ_EXPONENTS[role] for role in slot.uaq]
+    if slot.layout == "qkv":
+        q_per_group = config.num_attention_heads // config.num_query_groups
+        groups = t.view(-1, q_per_group + 2, config.kv_channels, *t.shape[1:])
+        for part, f in zip((groups[:, :q_per_group], groups[:, q_per_group], groups[:, q_per_group + 1]), factors):
+            part.mul_(f)
+    elif slot.layout == "gate_up":
+        for half, f in zip(t.chunk(2, dim=0), factors):
+            half.mul_(f)
+    else:
+        (f,) = factors
+        t.mul_(f)
 
 
 def apply_uaq(model: torch.nn.Module, s: float = 1.5) -> list[str]:
@@ -58,9 +48,9 @@ def apply_uaq(model: torch.nn.Module, s: float = 1.5) -> list[str]:
     changed = []
     with torch.no_grad():
         for name, param in model.named_parameters():
-            action = next((f for p, f in _ACTIONS if p.search(name)), None)
-            if action is not None:
-                action(param.data, config, s)
+            slot = megatron_slot(name)
+            if slot is not None and slot.uaq:
+                _scale(param.data, slot, config, s)
                 changed.append(name)
     return changed
 
@@ -68,7 +58,7 @@ def apply_uaq(model: torch.nn.Module, s: float = 1.5) -> list[str]:
 def quantized_weights(model: torch.nn.Module,
                       select: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """Detached copies of this rank's shards of the weights some scope quantizes (every linear of
-    `qurl_mcore.precision.GROUPS`), or of those whose names `select` accepts."""
+    `qurl_mcore.models.slots.LINEAR_GROUPS`), or of those whose names `select` accepts."""
     select = select or (lambda name: linear_group(name) is not None)
     return {n: p.detach().clone() for n, p in model.named_parameters() if select(n)}
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-#: the HF model types qurl-mcore trains and rolls out (megatron/models.py maps each to Megatron)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+from .registry import ARCHITECTURES  # the HF model types qurl-mcore trains and rolls out, each with its table
 
 
 def cache_dir() -> Path:

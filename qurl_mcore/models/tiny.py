@@ -10,27 +10,22 @@ from pathlib import Path
 import torch
 
 from . import cache_dir
+from .registry import ARCHITECTURES
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+#: the architectures with a tiny random model (their table's `tiny` arguments)
+ARCHS = tuple(name for name, arch in ARCHITECTURES.items() if arch.tiny is not None)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+_COMMON = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
+               eos_token_id=2, rms_norm_eps=1e-6)
 
 
 def _config(arch: str):
-    import transformers as tf
+    from transformers import AutoConfig
 
-    common = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6)
-    if arch == "llama":
-        return tf.LlamaConfig(**common)
-    if arch == "qwen2":
-        return tf.Qwen2Config(**common)
-    if arch == "qwen3":
-        return tf.Qwen3Config(head_dim=32, **common)
-    if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                                 decoder_sparse_step=1, norm_topk_prob=True, **common)
-    raise ValueError(f"unknown tiny architecture {arch!r}; use one of {list(ARCHS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; use one of {list(ARCHS)}")
+    return AutoConfig.for_model(arch, **_COMMON, **ARCHITECTURES[arch].tiny)
 
 
 def tiny_checkpoint(arch: str, seed: int = 0, tokenizer: bool = True) -> Path:

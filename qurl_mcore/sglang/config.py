@@ -1,13 +1,9 @@
 """The SGLang `QuantizationConfig` behind every qurl method: which layers get which method.
 
-A layer is quantized when its linear group (`qurl_mcore.precision.GROUPS`) is in the method's scope, the
-same rule the trainer's `gpt_spec` follows. SGLang's module prefixes, by group:
-
-  attention       model.layers.{i}.self_attn.qkv_proj, .o_proj
-  mlp             model.layers.{i}.mlp.gate_up_proj, .down_proj       (dense models)
-  experts         model.layers.{i}.mlp.experts                         (FusedMoE: every routed expert)
-  shared_experts  model.layers.{i}.mlp.shared_expert.gate_up_proj, .down_proj
-Every other linear (the router `mlp.gate`, anything an unsupported architecture adds) keeps the
+A layer is quantized when its linear group is in the method's scope, the same rule the trainer's `gpt_spec`
+follows. Which SGLang module holds which HF weights, and their group, is the `sglang` of each slot in the
+architecture table (`qurl_mcore.models`): SGLang packs q/k/v and gate/up as Megatron does, and a layer's routed
+experts are one FusedMoE. Every other linear (the router, anything a table does not name) keeps the
 checkpoint's precision, as do embeddings and lm_head.
 
 With `$QURL_QUANTIZED_LOG` set, every process of the engine appends the HF module names (without `.weight`)
@@ -17,7 +13,6 @@ before the first step (`qurl_mcore.precision.quantized_linears` is what both mus
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import torch
@@ -26,30 +21,12 @@ from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
+from qurl_mcore.models.registry import sglang_linears
 from qurl_mcore.precision import METHODS, quantizes
 
 from .linear import QurlLinearMethod
 from .moe import QurlFusedMoEMethod
 from .options import QUANTIZED_LOG_ENV, QurlOptions
-
-#: SGLang linear prefix -> (group, the HF modules it packs)
-_LINEARS = tuple((re.compile(p), g, hf) for p, g, hf in (
-    (r"\.self_attn\.qkv_proj$", "attention", ("q_proj", "k_proj", "v_proj")),
-    (r"\.self_attn\.o_proj$", "attention", ("o_proj",)),
-    (r"\.mlp\.shared_expert\.gate_up_proj$", "shared_experts", ("gate_proj", "up_proj")),
-    (r"\.mlp\.shared_expert\.down_proj$", "shared_experts", ("down_proj",)),
-    (r"\.mlp\.gate_up_proj$", "mlp", ("gate_proj", "up_proj")),
-    (r"\.mlp\.down_proj$", "mlp", ("down_proj",)),
-))
-
-
-def linear_role(prefix: str) -> tuple[str, list[str]] | None:
-    """(group, HF module names) of an SGLang linear layer's prefix; None for linears no scope quantizes."""
-    for pattern, group, hf in _LINEARS:
-        if pattern.search(prefix):
-            base = prefix.rsplit(".", 1)[0]
-            return group, [f"{base}.{name}" for name in hf]
-    return None
 
 
 def _log(names: list[str]) -> None:
@@ -91,10 +68,13 @@ class QurlQuantConfig(QuantizationConfig):
         if isinstance(layer, FusedMoE):
             if not quantizes(scope, "experts"):
                 return None  # SGLang's unquantized MoE method
-            _log([f"{prefix}.{e}.{p}" for e in range(layer.num_experts) for p in ("gate_proj", "up_proj", "down_proj")])
+            role = sglang_linears(prefix, layer.num_experts)
+            if role is None:
+                raise ValueError(f"{prefix}: a FusedMoE that no architecture table names (qurl_mcore.models)")
+            _log(role[1])
             return QurlFusedMoEMethod(self.options)
         if isinstance(layer, LinearBase):
-            role = linear_role(prefix)
+            role = sglang_linears(prefix)
             if role is None or not quantizes(scope, role[0]):
                 return UnquantizedLinearMethod()
             _log(role[1])

@@ -3,9 +3,10 @@ import torch
 from transformers import AutoConfig
 
 from qurl_mcore.megatron.convert import (
-    export_hf_weights, features, load_hf_weights, merge, name_table, read_hf_state, shard, split, unshard,
+    export_hf_weights, load_hf_weights, merge, read_hf_state, shard, split, unshard,
 )
 from qurl_mcore.megatron.models import build_gpt
+from qurl_mcore.models.registry import features, slots
 from qurl_mcore.models.smollm2 import hf_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint
 
@@ -70,15 +71,15 @@ def test_export_buckets_are_bounded_and_uaq_scaled_on_request(megatron_ws1):
     assert all(torch.equal(scaled[k], uaq_scale_hf(k, plain[k], 2.0)) for k in plain)
 
 
-def test_name_table_follows_the_architecture():
+def test_slots_follow_the_architecture():
     def megatron_names(arch):
-        return {r.megatron.rsplit(".", 2)[-2] for r in name_table(tiny_checkpoint(arch))}
+        return {r.megatron.rsplit(".", 2)[-2] for r in slots(tiny_checkpoint(arch))}
 
-    assert features(hf_checkpoint()) == {"dense", "tied"}  # SmolLM2: tied embeddings, no biases, no q/k norm
-    tied = [r for r in name_table(hf_checkpoint()) if r.megatron == "output_layer.weight"]
+    assert features(hf_checkpoint()) == {"tied"}  # SmolLM2: tied embeddings, no biases, no q/k norm
+    tied = [r for r in slots(hf_checkpoint()) if r.megatron == "output_layer.weight"]
     # only a later pipeline stage has an output layer of its own, a copy of the embedding, never exported
     assert [(r.hf, r.exported) for r in tied] == [(("model.embed_tokens.weight",), False)]
-    assert features(tiny_checkpoint("qwen2")) == {"dense", "qkv_bias", "untied"}
+    assert features(tiny_checkpoint("qwen2")) == {"qkv_bias", "untied"}
     assert {"q_layernorm", "router"} <= megatron_names("qwen3_moe")
     assert "router" not in megatron_names("qwen3")
 
@@ -133,7 +134,7 @@ def test_a_rank_reads_only_its_slices_and_gets_its_shard(arch):
     hf = AutoConfig.from_pretrained(path)
     ckpt, state = _Checkpoint(path), read_hf_state(path)
     checked = set()
-    for rule in name_table(hf):
+    for rule in slots(hf):
         names = [t.format(layer=1, expert=3) for t in rule.hf]
         full = merge(rule.layout, [state[n] for n in names], hf)
         for size in (1, 2):

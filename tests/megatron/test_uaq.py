@@ -5,9 +5,10 @@ from qurl_mcore.megatron.convert import load_hf_weights, read_hf_state
 from qurl_mcore.megatron.logprobs import token_logprobs
 from qurl_mcore.megatron.models import build_gpt
 from qurl_mcore.megatron.uaq import apply_uaq, quantized_weights, update_capture
+from qurl_mcore.models.registry import hf_uaq_role
 from qurl_mcore.models.smollm2 import hf_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint
-from qurl_mcore.uaq import UAQ_EXPONENTS, hf_role, uaq_scale_hf, update_capture_ratio
+from qurl_mcore.uaq import UAQ_EXPONENTS, uaq_scale_hf, update_capture_ratio
 
 from .helpers import random_ids
 
@@ -51,9 +52,9 @@ def test_hf_uaq_table_preserves_the_hf_model():
         model.load_state_dict(state)
         after = model(ids).logits
     assert ((after - before).norm() / before.norm()).item() < 1e-5
-    assert hf_role("model.layers.3.mlp.experts.7.up_proj.weight") == "up"
-    assert hf_role("model.layers.3.mlp.gate.weight") == "router"
-    assert hf_role("model.embed_tokens.weight") is None
+    assert hf_uaq_role("model.layers.3.mlp.experts.7.up_proj.weight") == "up"
+    assert hf_uaq_role("model.layers.3.mlp.gate.weight") == "router"
+    assert hf_uaq_role("model.embed_tokens.weight") is None
     assert set(UAQ_EXPONENTS.values()) <= {-1, 0, 1}
 
 

@@ -1,0 +1,161 @@
+"""The types of an architecture table: where each weight of a model family lives on each side, and what it is.
+
+A `Slot` is one Megatron parameter and the HF tensors it is made of, with everything a part of the project needs
+to know about it:
+
+  megatron   the Megatron parameter (template with `{layer}` and, for routed experts, `{expert}`)
+  hf         the HF tensors it merges, in merge order (same placeholders)
+  layout     how those merge into Megatron's full tensor and how that is sharded (tensor/expert parallel):
+               replicated  one HF tensor, every rank holds all of it          (norms, router)
+               rows        one HF tensor, split along dim 0                    (embedding, output layer)
+               columns     one HF tensor, split along dim 1                    (row-parallel linears)
+               qkv         q, k, v interleaved per query group:                (linear_qkv weight and bias)
+                           [q_g, k_g, v_g] for g = 0..groups-1, then split along dim 0 (whole groups per rank)
+               gate_up     [gate; up], each half split along dim 0             (SwiGLU's fc1)
+             expert slots are sharded over the expert-tensor-parallel group and live on the expert-parallel
+             rank that owns them
+  group      what it is: embedding, norm, attention, mlp, experts, shared_experts, router, output; the linear
+             groups a precision's scope can quantize are `LINEAR_GROUPS`
+  shapes     the HF tensors' shapes from the config's `Shape` (what `qurl plan` counts)
+  sglang     the SGLang module that holds these HF tensors (SGLang packs q/k/v and gate/up as Megatron does),
+             for linears a scope can quantize; a routed expert's is the layer's FusedMoE
+  uaq        the UAQ role of each HF tensor (`qurl_mcore.uaq.UAQ_EXPONENTS`), None for tensors UAQ leaves alone
+  needs      the config feature this slot exists under ("" = always; see `Architecture.features`)
+  exported   False for a copy of a tensor another slot exports (a tied output layer under pipeline stages)
+
+An `Architecture` is a model type's slots and the features its configs turn on. Nothing here imports a framework:
+the converter, the trainer's spec, the SGLang plugin, UAQ, the precision table and `qurl plan` read these tables.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+LAYOUTS = ("replicated", "rows", "columns", "qkv", "gate_up")
+GROUPS = ("embedding", "norm", "attention", "mlp", "experts", "shared_experts", "router", "output")
+#: the groups whose weights a precision's scope can quantize (routers, norms, embedding, output never)
+LINEAR_GROUPS = ("attention", "mlp", "experts", "shared_experts")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The fields of an HF config.json that size a model, and the features its architecture gives it
+    (`Architecture.features`)."""
+
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int
+    topk: int
+    moe_intermediate: int
+    shared_intermediate: int
+    features: frozenset[str]
+
+    @classmethod
+    def of(cls, hf: Mapping[str, Any], features: frozenset[str]) -> Shape:
+        h, a = hf["hidden_size"], hf["num_attention_heads"]
+        return cls(
+            model_type=hf.get("model_type", ""), hidden=h, intermediate=hf.get("intermediate_size", 0),
+            layers=hf["num_hidden_layers"], heads=a, kv_heads=hf.get("num_key_value_heads") or a,
+            head_dim=hf.get("head_dim") or h // a, vocab=hf["vocab_size"], experts=config_experts(hf),
+            topk=hf.get("num_experts_per_tok") or 0, moe_intermediate=hf.get("moe_intermediate_size") or 0,
+            shared_intermediate=hf.get("shared_expert_intermediate_size") or 0, features=features)
+
+    @property
+    def tied(self) -> bool:
+        return "tied" in self.features
+
+    @property
+    def qk_norm(self) -> bool:
+        return "qk_norm" in self.features
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2, tp: int = 1) -> int:
+        """KV cache per token: 2 (k, v) · L · g · d · bytes, per GPU of a TP engine (g/TP heads, at least one)."""
+        return 2 * self.layers * max(1, self.kv_heads // tp) * self.head_dim * dtype_bytes
+
+
+def config_experts(hf: Mapping[str, Any]) -> int:
+    """Routed experts of an MoE config.json (0: dense); transformers 5 writes Qwen3-MoE's as num_local_experts."""
+    return hf.get("num_experts") or hf.get("num_local_experts") or 0
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One Megatron parameter and its HF tensors (module docstring)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    layout: str
+    group: str
+    shapes: Callable[[Shape], tuple[tuple[int, ...], ...]]
+    sglang: str | None = None
+    uaq: tuple[str | None, ...] = ()
+    needs: str = ""
+    exported: bool = True
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"{self.megatron}: unknown layout {self.layout!r}; use one of {list(LAYOUTS)}")
+        if self.group not in GROUPS:
+            raise ValueError(f"{self.megatron}: unknown group {self.group!r}; use one of {list(GROUPS)}")
+        if self.uaq and len(self.uaq) != len(self.hf):
+            raise ValueError(f"{self.megatron}: {len(self.uaq)} UAQ roles for {len(self.hf)} HF tensors")
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.megatron
+
+    @property
+    def per_expert(self) -> bool:
+        return "{expert}" in self.megatron
+
+    @property
+    def quantizable(self) -> bool:
+        """A linear weight a scope can quantize (biases and everything outside `LINEAR_GROUPS` never)."""
+        return self.group in LINEAR_GROUPS and self.megatron.endswith(".weight")
+
+
+def pattern(template: str) -> re.Pattern:
+    """A name template as a regex matching the whole name, with named groups `layer` and `expert`."""
+    return re.compile(re.escape(template).replace(r"\{layer\}", r"(?P<layer>\d+)")
+                      .replace(r"\{expert\}", r"(?P<expert>\d+)") + "$")
+
+
+@dataclass(frozen=True, eq=False)  # one object per model type: identity is equality (and the cache key)
+class Architecture:
+    """A model type's slots (in export order: embedding, per-layer slots, final norm, output layer) and the
+    features of its configs. `always` are features every config of the type has; the others are read from the
+    config: `tied`/`untied` (tie_word_embeddings), `qkv_bias` (attention_bias), `shared_experts`
+    (shared_expert_intermediate_size). `tiny` are the transformers config arguments of `tiny-<model_type>`,
+    the 2-layer random model tests use (besides the common ones of `qurl_mcore.models.tiny`)."""
+
+    model_type: str
+    slots: tuple[Slot, ...]
+    always: frozenset[str] = frozenset()
+    tiny: Mapping[str, Any] | None = None
+
+    def features(self, hf: Mapping[str, Any]) -> frozenset[str]:
+        read = {"tied" if hf.get("tie_word_embeddings", False) else "untied"}
+        if hf.get("attention_bias", False):
+            read.add("qkv_bias")
+        if hf.get("shared_expert_intermediate_size"):
+            read.add("shared_experts")
+        return self.always | read
+
+    def slots_of(self, hf: Mapping[str, Any]) -> tuple[Slot, ...]:
+        """The slots a config of this type has (those whose feature it has)."""
+        return self.slots_with(self.features(hf))
+
+    def slots_with(self, features: frozenset[str]) -> tuple[Slot, ...]:
+        return tuple(s for s in self.slots if not s.needs or s.needs in features)
+
+    @property
+    def moe(self) -> bool:
+        return any(s.per_expert for s in self.slots)
