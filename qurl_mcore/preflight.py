@@ -230,10 +230,10 @@ def _memory_plan(cfg: Config, hf: dict[str, Any], out: Preflight, gpu: str | Non
 
 
 def _placement(cfg: Config, use_gpu: bool, out: Preflight, local: bool) -> None:
-    from .loop.actors import plan, unplaceable
+    from .loop.actors import placement_of, unplaceable
 
     try:
-        placement = plan(cfg, use_gpu)
+        placement = placement_of(cfg, use_gpu)
     except ValueError as err:
         out.problems.append(str(err))
         return

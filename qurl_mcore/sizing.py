@@ -728,10 +728,10 @@ def _verdict(s: Shape, cfg: Config, gpu: GPU, master: str, gpus_per_node: int,
 
 
 def _nodes_needed(cfg: Config, gpus_per_node: int) -> int:
-    """Nodes of `gpus_per_node` GPUs the placement (`loop.actors.plan`) fills; engines do not span nodes."""
-    from .loop.actors import plan as placement
+    """Nodes of `gpus_per_node` GPUs the placement (`loop.actors.placement_of`) fills; engines do not span nodes."""
+    from .loop.actors import placement_of
 
-    p = placement(cfg, use_gpu=True)
+    p = placement_of(cfg, use_gpu=True)
     trainer = math.ceil(len(p.trainer) / gpus_per_node)
     if cfg.layout == "colocated":
         return trainer

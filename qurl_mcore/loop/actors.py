@@ -17,11 +17,14 @@ from __future__ import annotations
 import collections
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qurl_mcore.config import Config, ConfigError
 
 from .outcome import RunFailure
+
+if TYPE_CHECKING:  # groups.py imports Ray, which `qurl plan` (placement_of) does without
+    from .groups import Rollouts, TrainerGroup
 
 _SLIVER = 0.001  # of a node tag: any number of bundles fit on a tagged node
 
@@ -38,7 +41,7 @@ class Placement:
     device: str  # "GPU" or "CPU"
 
 
-def plan(cfg: Config, use_gpu: bool, tags: set[str] = frozenset()) -> Placement:
+def placement_of(cfg: Config, use_gpu: bool, tags: set[str] = frozenset()) -> Placement:
     """The placement of `cfg` on a cluster with (`use_gpu`) or without GPUs; `tags` are the node resources
     present (`qurl_train`, `qurl_rollout`)."""
     world = cfg.train.world_size
@@ -121,25 +124,27 @@ def wait_for_placement(pg, stop, timeout: float = 600.0) -> None:
                                "the resources: see `ray status`")
 
 
-def start_actors(cfg: Config, model_path: str, stop=None):
-    """Create the placement group, the trainer group, the engine hosts and the rollout manager.
-    Returns (trainers, hosts, manager, placement group); with eval.bf16_reference the last host is the BF16
-    reference engine's, which only evaluations use, in engine 0's bundle with half its share (trainer rank 0
-    there pushes to it by shared memory / CUDA IPC, as to engine 0). Engines start in parallel with the
-    trainers, except with rollout.offload: then they start first, size their KV cache on GPUs no trainer has
-    touched yet, and give their memory back before the trainers start (the first push takes it again).
+def start_actors(cfg: Config, model_path: str, stop=None) -> tuple[TrainerGroup, Rollouts, Any]:
+    """Create the placement group, the trainer ranks, the engine hosts and the rollout manager.
+    Returns their typed groups (groups.py) and the placement group; with eval.bf16_reference the last host
+    is the BF16 reference engine's, which only evaluations use, in engine 0's bundle with half its share
+    (trainer rank 0 there pushes to it by shared memory / CUDA IPC, as to engine 0). Engines start in
+    parallel with the trainers, except with rollout.offload: then they start first, size their KV cache on
+    GPUs no trainer has touched yet, and give their memory back before the trainers start (the first push
+    takes it again).
     A placement the cluster cannot hold is refused at once (ValueError naming what is missing); one it can
     hold but not yet is waited for, as long as `stop` (a checkpoint.StopRequest) is not requested."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from .groups import Rollouts, TrainerGroup
     from .rollout import EngineHost, RolloutManager, engine_config, reference_engine_config
     from .trainer import PolicyTrainer
 
     resources = ray.cluster_resources()
     use_gpu = resources.get("GPU", 0) > 0
-    placement = plan(cfg, use_gpu, {t for t in ("qurl_train", "qurl_rollout") if t in resources})
+    placement = placement_of(cfg, use_gpu, {t for t in ("qurl_train", "qurl_rollout") if t in resources})
     problem = unplaceable(placement, resources, "the Ray cluster")
     if problem:
         raise ConfigError(problem)
@@ -179,4 +184,4 @@ def start_actors(cfg: Config, model_path: str, stop=None):
     manager = ray.remote(RolloutManager).options(num_cpus=0, scheduling_strategy=here).remote(
         cfg, model_path, hosts[:engines], log_file=f"{logs}/rollout-manager.log",
         reference=hosts[engines] if len(hosts) > engines else None)
-    return trainers, hosts, manager, pg
+    return TrainerGroup(trainers, cfg.logging.dir), Rollouts(manager, hosts, cfg.logging.dir), pg

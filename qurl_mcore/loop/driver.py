@@ -69,17 +69,8 @@ def advantages(cfg: Config, samples: list[Sample]) -> tuple[list[Sample], torch.
 DRIVER_FILE = "driver.pt"  # the driver's part of a checkpoint: its random generators
 
 
-def _reason(err: BaseException) -> str:
-    """The cause of a Ray error in one line: the actor's own exception, or how its process ended."""
-    cause = getattr(err, "cause", None)
-    if cause is not None and not isinstance(cause, type(err)):
-        return f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return (lines[-1] if lines else type(err).__name__)[:500]
-
-
 class Loop:
-    """The actors of one run and the step sequence over them."""
+    """The actors of one run (groups.py: the trainer ranks, the rollout engines) and the step sequence over them."""
 
     def __init__(self, cfg: Config, stop=None):
         import ray
@@ -93,7 +84,7 @@ class Loop:
         self.ray = ray
         self.model_path = str(resolve_model_path(cfg.model.path))
         self.offload = cfg.offload_rollout(ray.cluster_resources().get("GPU", 0) > 0)
-        self.trainers, self.hosts, self.manager, self.pg = start_actors(cfg, self.model_path, stop)
+        self.trainers, self.rollouts, self.pg = start_actors(cfg, self.model_path, stop)
         self.engine_restarts = 0
         self.groups_opened = 0  # weight broadcast groups (disaggregated layout), one more after each restart
         try:
@@ -104,51 +95,16 @@ class Loop:
                 raise RunFailure(f"{err} while starting; see {cfg.logging.dir}/engine-{err.index}.log") from None
             raise
 
-    # -- calls into the actors, failures named by actor ------------------------------------------------------
-    def trainers_do(self, method: str, *args) -> list:
-        """`method(*args)` on every trainer rank (they run together: most are collectives) and their results
-        in rank order. The first failure ends the wait: an EngineFailure a rank reports passes through (that
-        engine restarts); any other error is the rank's own and ends the run (RunFailure naming it)."""
-        from .rollout import EngineFailure
-
-        refs = {getattr(t, method).remote(*args): rank for rank, t in enumerate(self.trainers)}
-        results, pending = {}, list(refs)
-        while pending:
-            ready, pending = self.ray.wait(pending, num_returns=1)
-            rank = refs[ready[0]]
-            try:
-                results[rank] = self.ray.get(ready[0])
-            except Exception as err:  # noqa: BLE001 - every Ray error of a rank, classified below
-                if isinstance(getattr(err, "cause", None), EngineFailure):
-                    raise err.cause from None
-                raise RunFailure(f"trainer rank {rank} failed in {method}: {_reason(err)}; see "
-                                 f"{self.cfg.logging.dir}/trainer-{rank}.log") from None
-        return [results[rank] for rank in sorted(results)]
-
-    def manager_do(self, method: str, *args):
-        """`method(*args)` on the rollout manager; an engine's failure passes through as EngineFailure."""
-        from .rollout import EngineFailure
-
-        try:
-            return self.ray.get(getattr(self.manager, method).remote(*args))
-        except Exception as err:  # noqa: BLE001 - classified below
-            if isinstance(getattr(err, "cause", None), EngineFailure):
-                raise err.cause from None
-            raise RunFailure(f"the rollout manager failed in {method}: {_reason(err)}; see "
-                             f"{self.cfg.logging.dir}/rollout-manager.log") from None
-
     # -- weights and engine recovery ------------------------------------------------------------------------
     def connect(self) -> None:
         """Give the trainer ranks the engines' endpoints; in the disaggregated layout rank 0 then opens a
         weight group with every engine's TP ranks (NCCL on GPUs, gloo on CPUs), hosted on its node."""
-        endpoints = self.manager_do("endpoints")
-        self.engine_urls = [url for url, _ in endpoints]  # a failure names the engine's node by them
-        self.trainers_do("connect_engines", endpoints)
+        self.trainers.connect_engines(self.rollouts.endpoints())
         if self.cfg.layout == "disaggregated":
             backend = "nccl" if self.ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
             self.groups_opened += 1
-            where = self.trainers_do("open_weight_group", f"qurl-weights-{self.groups_opened}", backend,
-                                     self.cfg.rollout.broadcast_timeout_s)[0]
+            where = self.trainers.open_weight_group(f"qurl-weights-{self.groups_opened}", backend=backend,
+                                                    timeout=self.cfg.rollout.broadcast_timeout_s)
             say(f"weights go to the engines by {backend} broadcast (group at {where})")
 
     def check_symmetry(self) -> None:
@@ -157,8 +113,8 @@ class Loop:
         from qurl_mcore.precision import quantized_linears
 
         precision, scope, _ = self.cfg.resolved_precision()
-        engines = self.manager_do("quantized_linears")
-        trainer = set().union(*self.trainers_do("quantized_linears"))
+        engines = self.rollouts.quantized_linears()
+        trainer = self.trainers.quantized_linears()
         problems = []
         want = quantized_linears(self.model_path, precision.name, scope, side="rollout")
         for i, got in enumerate(engines):
@@ -171,10 +127,6 @@ class Loop:
                             f"(e.g. {sorted(trainer ^ want)[:3]})")
         if problems:
             raise RuntimeError(f"precision {precision.name!r}, scope {scope!r}: " + "; ".join(problems))
-
-    def push(self, version: str, only: list[int] | None = None) -> float:
-        """Every trainer rank streams its weights to its engines (collective); returns the seconds taken."""
-        return max(self.trainers_do("push_weights", version, only))
 
     def recovering(self, action, version: str):
         """`action()`, retried after restarting a failed engine and loading it with the trainer's current
@@ -192,41 +144,18 @@ class Loop:
                 say(f"{failure}; restarting it ({attempt + 1}/{attempts})")
                 self.engine_restarts += 1
                 try:
-                    self.restart_engine(failure.index)
+                    self.rollouts.restart(failure.index)
                     if self.cfg.layout == "disaggregated":  # the new engine joins a new group with the others
-                        self.trainers_do("close_weight_group")
+                        self.trainers.close_weight_group()
                         self.connect()
-                        self.push(version)
+                        self.trainers.push_weights(version)
                     else:
                         self.connect()
-                        self.push(version, only=[failure.index])
+                        self.trainers.push_weights(version, only=[failure.index])
                 except EngineFailure as again:  # counts as the next attempt's failure
                     say(f"restarting engine {failure.index} failed: {again}")
                 self.write_pids()
         raise AssertionError("unreachable")
-
-    def restart_engine(self, index: int) -> None:
-        """Restart engine `index` on its node. While Ray cannot reach the node (the engine's host actor
-        "unavailable": a link down, a node not yet declared dead) this waits, until the host answers or Ray
-        declares it dead. An engine whose host actor died, with its node's Ray processes or the node itself,
-        cannot be restarted: RunFailure naming the engine and the node."""
-        from urllib.parse import urlsplit
-
-        errors = self.ray.exceptions
-        while True:
-            try:
-                self.ray.get(self.hosts[index].pid.remote())
-                break
-            except errors.ActorUnavailableError:  # Ray has not decided yet: ask again
-                time.sleep(1.0)
-            except errors.RayActorError as err:
-                url = self.engine_urls[index] if index < len(self.engine_urls) else ""
-                raise RunFailure(f"rollout engine {index} is gone with its host on node "
-                                 f"{urlsplit(url).hostname or '?'}: {_reason(err)}; bring the node back into the "
-                                 "Ray cluster (launch/ray_cluster.sh worker) before resuming") from None
-            except Exception:  # noqa: BLE001 - the host answered, with an error of its engine's: it is there
-                break
-        self.manager_do("restart", index)
 
     def push_all(self, version: str) -> float:
         """Every engine gets the trainer's weights as `version` (restarting failed ones); returns the seconds.
@@ -234,18 +163,18 @@ class Loop:
         allocator's cache for it) and their KV cache and CUDA graphs after."""
         def push() -> float:
             if not self.offload:
-                return self.push(version)
-            self.trainers_do("empty_cache")
-            self.manager_do("resume_memory", ["weights"])
-            seconds = self.push(version)
-            self.manager_do("resume_memory", ["kv_cache", "cuda_graph"])
+                return self.trainers.push_weights(version)
+            self.trainers.empty_cache()
+            self.rollouts.resume_memory(["weights"])
+            seconds = self.trainers.push_weights(version)
+            self.rollouts.resume_memory(["kv_cache", "cuda_graph"])
             return seconds
 
         return self.recovering(push, version)
 
     def rollout(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """The step's samples (a failed engine is restarted with the current weights and the rollout retried)."""
-        return self.recovering(lambda: self.manager_do("generate", step), f"step-{step}")
+        return self.recovering(lambda: self.rollouts.generate(step), f"step-{step}")
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The held-out eval/* metrics (evaluation.py) of the weights the engines hold after `step` steps: on
@@ -254,7 +183,7 @@ class Loop:
         one too, is restarted and the evaluation retried, as a rollout is."""
         start = time.perf_counter()
         version = f"step-{step}"
-        metrics = self.recovering(lambda: self.manager_do("evaluate", step), version)
+        metrics = self.recovering(lambda: self.rollouts.evaluate(step), version)
         if self.cfg.eval.bf16_reference:
             metrics.update(self.recovering(lambda: self.evaluate_reference(step), version))
         metrics["time/eval"] = time.perf_counter() - start
@@ -264,29 +193,29 @@ class Loop:
         """Push the weights of `step` to the reference engine and evaluate it; with rollout.offload it holds
         its memory only meanwhile."""
         version = f"step-{step}"
-        endpoint = self.manager_do("reference_endpoint")
+        endpoint = self.rollouts.reference_endpoint()
         if self.offload:
-            self.trainers_do("empty_cache")
-            self.manager_do("resume_memory", ["weights"], True)
-        self.trainers_do("push_reference", endpoint, version)
+            self.trainers.empty_cache()
+            self.rollouts.resume_memory(["weights"], reference=True)
+        self.trainers.push_reference(endpoint, version)
         if self.offload:
-            self.manager_do("resume_memory", ["kv_cache", "cuda_graph"], True)
-        metrics = self.manager_do("evaluate", step, True)
+            self.rollouts.resume_memory(["kv_cache", "cuda_graph"], reference=True)
+        metrics = self.rollouts.evaluate(step, reference=True)
         if self.offload:
-            self.manager_do("release_memory", True)
+            self.rollouts.release_memory(reference=True)
         return metrics
 
     def write_pids(self) -> None:
         """logging.dir/pids.json: the process ids of the engine servers and the trainer ranks (operators, and
         the fault tests)."""
         path = Path(self.cfg.logging.dir) / "pids.json"
-        path.write_text(json.dumps({"engines": self.manager_do("pids"), "trainers": self.trainers_do("pid")}))
+        path.write_text(json.dumps({"engines": self.rollouts.pids(), "trainers": self.trainers.pids()}))
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:
         """Every rank writes its own file, the driver its RNG state; then the checkpoint is published."""
         root = self.cfg.checkpoint.dir
-        files = self.trainers_do("save_checkpoint", root, step)
+        files = self.trainers.save_checkpoint(root, step)
         files.append(ckpt.write_file(root, step, DRIVER_FILE, {"rng": ckpt.rng_state()}))
         meta = {"world_size": len(self.trainers), "config": to_dict(self.cfg), "engine_restarts": self.engine_restarts}
         return ckpt.finalize(root, step, files, meta, keep=self.cfg.checkpoint.keep)
@@ -299,7 +228,7 @@ class Loop:
         if meta["world_size"] != len(self.trainers):
             raise ConfigError(f"{path} was written by {meta['world_size']} trainer ranks, this run has "
                               f"{len(self.trainers)}; resume with the same train.tp_size/dp_size")
-        self.trainers_do("load_checkpoint", str(path))
+        self.trainers.load_checkpoint(str(path))
         ckpt.set_rng_state(ckpt.read_file(path, DRIVER_FILE)["rng"])
         self.engine_restarts = meta.get("engine_restarts", 0)
         return meta["step"]
@@ -309,14 +238,13 @@ class Loop:
         start = time.perf_counter()
         samples, metrics = self.rollout(step)
         if self.offload:  # the trainer steps in the engines' memory; push_all gives it back
-            self.recovering(lambda: self.manager_do("release_memory"), f"step-{step}")
+            self.recovering(self.rollouts.release_memory, f"step-{step}")
         samples, adv, adv_metrics = advantages(self.cfg, samples)
         metrics.update(adv_metrics)
         t_train = time.perf_counter()
         if samples:
             batch = collate(samples, adv, pad_id=0)
-            results = self.trainers_do("step", batch)
-            metrics.update(results[0])
+            metrics.update(self.trainers.step(batch))
         else:
             metrics["train/skipped_nonfinite"] = 0.0
         t_push = time.perf_counter()
@@ -330,14 +258,8 @@ class Loop:
     def close(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        ray = self.ray
-        for actor in [*self.hosts, *self.trainers]:  # best effort: a failed actor has nothing left to close
-            try:
-                ray.get((actor.shutdown if actor in self.hosts else actor.close).remote(), timeout=120)
-            except Exception:  # noqa: BLE001 - killed below either way
-                pass
-        for actor in [*self.trainers, *self.hosts, self.manager]:
-            ray.kill(actor)
+        self.rollouts.close()
+        self.trainers.close()
         remove_placement_group(self.pg)
 
 
@@ -429,7 +351,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
                 say(f"checkpoint {loop.save(step)}")
         bar.close()
         if step == cfg.steps and cfg.checkpoint.export_hf:
-            say(f"exported the trained model to {loop.trainers_do('export_hf', str(Path(cfg.checkpoint.dir) / 'hf'))[0]}")
+            say(f"exported the trained model to {loop.trainers.export_hf(str(Path(cfg.checkpoint.dir) / 'hf'))}")
         if stop.requested and step < cfg.steps:
             path = loop.save(step)
             say(f"{stop.signal_name} at step {step}: checkpoint written to {path}, exiting")

@@ -234,7 +234,7 @@ class RolloutManager:
         }
         return samples, metrics
 
-    def evaluate(self, step: int, reference: bool = False) -> dict[str, float]:
+    def evaluate(self, step: int, *, reference: bool = False) -> dict[str, float]:
         """The eval/* metrics (evaluation.py) of the held-out prompts, `eval.n` samples each: on the rollout
         engines (requests split evenly over them), or with `reference` on the BF16 reference engine (names
         suffixed `_bf16`). Every sample goes to logging.dir/eval/step_<step>[_bf16].jsonl. Raises
@@ -295,11 +295,13 @@ class RolloutManager:
 
         ray.get((self.hosts[index] if index < len(self.hosts) else self.reference).restart.remote())
 
-    def release_memory(self, reference: bool = False) -> None:
+    def release_memory(self, *, reference: bool = False) -> None:
         """Every engine (or the reference engine) gives back its GPU memory (EngineFailure names one that fails)."""
         self._gather({i: host.release_memory.remote() for i, host in self._hosts(reference)})
 
-    def resume_memory(self, tags: list[str], reference: bool = False) -> None:
+    def resume_memory(self, tags: list[str], *, reference: bool = False) -> None:
+        """Every engine (or the reference engine) takes back the memory of those `tags` it released
+        (EngineFailure names one that fails)."""
         self._gather({i: host.resume_memory.remote(tags) for i, host in self._hosts(reference)})
 
     def pids(self) -> list[int]:

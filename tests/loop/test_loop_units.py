@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qurl_mcore.config import ConfigError, load_config
-from qurl_mcore.loop.actors import plan
+from qurl_mcore.loop.actors import placement_of
 from qurl_mcore.loop.batch import Sample
 from qurl_mcore.loop.driver import advantages
 from qurl_mcore.loop.rollout import EngineFailure, engine_config, engine_quantization, prompt_indices
@@ -48,16 +48,16 @@ def test_advantages_rloo():
 
 def test_placement_colocated_shares_trainer_bundles():
     cfg = load_config(None, ["train.tp_size=2", "train.dp_size=2", "rollout.engines=4"])
-    p = plan(cfg, use_gpu=True, tags={"qurl_train", "qurl_rollout"})
+    p = placement_of(cfg, use_gpu=True, tags={"qurl_train", "qurl_rollout"})
     assert len(p.bundles) == 4 and p.trainer == [0, 1, 2, 3] and p.engines == [0, 1, 2, 3] and p.share == 0.5
     assert p.bundles[0] == {"GPU": 1.0, "CPU": 1.0, "qurl_train": 0.001, "qurl_rollout": 0.001}
-    cpu = plan(load_config(None), use_gpu=False)
+    cpu = placement_of(load_config(None), use_gpu=False)
     assert cpu.bundles == [{"CPU": 1.0}] and cpu.device == "CPU"
 
 
 def test_placement_disaggregated_gives_engines_their_own_devices():
     cfg = load_config(None, ["layout=disaggregated", "train.tp_size=8", "rollout.engines=2", "rollout.tp_size=4"])
-    p = plan(cfg, use_gpu=True, tags={"qurl_train", "qurl_rollout"})
+    p = placement_of(cfg, use_gpu=True, tags={"qurl_train", "qurl_rollout"})
     assert p.trainer == list(range(8)) and p.engines == [8, 9] and p.share == 1.0
     assert p.bundles[8] == {"GPU": 4.0, "CPU": 1.0, "qurl_rollout": 0.001}
     assert "qurl_rollout" not in p.bundles[0]
@@ -65,9 +65,9 @@ def test_placement_disaggregated_gives_engines_their_own_devices():
 
 def test_placement_errors_name_the_fix():
     with pytest.raises(ValueError, match="rollout.tp_size must be 1"):
-        plan(load_config(None, ["rollout.tp_size=2"]), use_gpu=True)
+        placement_of(load_config(None, ["rollout.tp_size=2"]), use_gpu=True)
     with pytest.raises(ValueError, match="exceeds the 1 trainer"):
-        plan(load_config(None, ["rollout.engines=2"]), use_gpu=False)
+        placement_of(load_config(None, ["rollout.engines=2"]), use_gpu=False)
 
 
 @pytest.mark.parametrize("precision,method,options", [
@@ -139,7 +139,7 @@ def test_shipped_configs_load_and_place(name, tmp_path):
     prompts.write_text('{"question": "1+1", "prompt": "1+1", "problem": "1+1", "answer": "2"}\n')
     cfg = load_config(path, [] if name == "cpu_demo" else [f"data.path={prompts}"])
     gpu = name != "cpu_demo"
-    p = plan(cfg, use_gpu=gpu, tags={"qurl_train", "qurl_rollout"})
+    p = placement_of(cfg, use_gpu=gpu, tags={"qurl_train", "qurl_rollout"})
     assert len(p.trainer) == cfg.train.tp_size * cfg.train.dp_size
     assert len(p.engines) == cfg.rollout.engines
     problems = preflight(cfg, use_gpu=gpu).problems

@@ -1,0 +1,210 @@
+"""Typed handles on the loop's Ray actors: the driver calls named methods, these make the remote calls.
+
+`TrainerGroup`  the trainer ranks (`trainer.PolicyTrainer`), called all together: most calls are collectives.
+`Rollouts`      the rollout manager (`rollout.RolloutManager`) and the engine hosts (`rollout.EngineHost`).
+
+Each method forwards to the actor method of its name (`TrainerGroup.pids` to `PolicyTrainer.pid`), with the
+same arguments, flags as keywords. Failures come back in two kinds: an engine's, as the `EngineFailure` the
+actor raised (the driver restarts that engine: `Rollouts.restart`), and any other, which ends the run as a
+`RunFailure` naming the actor, the method and the actor's log file in `logging.dir`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+import ray
+
+from .batch import Sample, TrainBatch
+from .outcome import RunFailure
+from .rollout import EngineFailure
+
+#: seconds a closing actor gets to stop what it runs before it is killed
+CLOSE_TIMEOUT_S = 120
+
+
+def _reason(err: BaseException) -> str:
+    """The cause of a Ray error in one line: the actor's own exception, or how its process ended."""
+    cause = getattr(err, "cause", None)
+    if cause is not None and not isinstance(cause, type(err)):
+        return f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(err).__name__)[:500]
+
+
+def _close(actors: list, stop: Callable[[Any], Any]) -> None:
+    """`stop(actor)` (a remote call) on each of `actors` in turn, then kill them all. Best effort: a failed
+    actor has nothing left to stop, and is killed either way."""
+    for actor in actors:
+        try:
+            ray.get(stop(actor), timeout=CLOSE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - killed below either way
+            pass
+    for actor in actors:
+        ray.kill(actor)
+
+
+class TrainerGroup:
+    """The trainer ranks, in rank order; rank r writes `logs`/trainer-<r>.log."""
+
+    def __init__(self, actors: list, logs: str):
+        self.actors = actors
+        self.logs = logs
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def _on_every_rank(self, method: str, call: Callable[[Any], Any]) -> list:
+        """`call(rank's actor)`, the remote call of `method`, on every rank at once; their results in rank
+        order. The first failure ends the wait: an EngineFailure a rank reports passes through (that engine
+        restarts); any other error is the rank's own and ends the run (RunFailure naming it)."""
+        refs = {call(actor): rank for rank, actor in enumerate(self.actors)}
+        results, pending = {}, list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            rank = refs[ready[0]]
+            try:
+                results[rank] = ray.get(ready[0])
+            except Exception as err:  # noqa: BLE001 - every Ray error of a rank, classified below
+                if isinstance(getattr(err, "cause", None), EngineFailure):
+                    raise err.cause from None
+                raise RunFailure(f"trainer rank {rank} failed in {method}: {_reason(err)}; see "
+                                 f"{self.logs}/trainer-{rank}.log") from None
+        return [results[rank] for rank in sorted(results)]
+
+    def connect_engines(self, endpoints: list[tuple[str, str | None]]) -> None:
+        """Every rank attaches to the engines it pushes to, given every engine's (URL, API key)."""
+        self._on_every_rank("connect_engines", lambda t: t.connect_engines.remote(endpoints))
+
+    def open_weight_group(self, group_name: str, *, backend: str, timeout: float) -> str:
+        """Disaggregated layout: rank 0 opens weight group `group_name` with every engine's TP ranks; returns
+        its rendezvous address."""
+        return self._on_every_rank("open_weight_group", lambda t: t.open_weight_group.remote(
+            group_name, backend=backend, timeout=timeout))[0]
+
+    def close_weight_group(self) -> None:
+        self._on_every_rank("close_weight_group", lambda t: t.close_weight_group.remote())
+
+    def quantized_linears(self) -> set[str]:
+        """HF module names of the linears any rank quantizes."""
+        return set().union(*self._on_every_rank("quantized_linears", lambda t: t.quantized_linears.remote()))
+
+    def push_weights(self, version: str, *, only: list[int] | None = None) -> float:
+        """Every rank streams its weights to its engines (of `only` those engines, if given) as weight
+        `version`; returns the seconds the slowest rank took."""
+        return max(self._on_every_rank("push_weights", lambda t: t.push_weights.remote(version, only=only)))
+
+    def push_reference(self, endpoint: tuple[str, str | None], version: str) -> float:
+        """The weights, as weight `version`, to the BF16 reference engine at `endpoint`; returns the seconds
+        the slowest rank took."""
+        return max(self._on_every_rank("push_reference", lambda t: t.push_reference.remote(endpoint, version)))
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """One training step on `batch` on every rank; returns rank 0's metrics."""
+        return self._on_every_rank("step", lambda t: t.step.remote(batch))[0]
+
+    def empty_cache(self) -> None:
+        self._on_every_rank("empty_cache", lambda t: t.empty_cache.remote())
+
+    def save_checkpoint(self, root: str, step: int) -> list[dict[str, Any]]:
+        """Every rank writes its file of step `step`'s checkpoint under `root`; their records in rank order."""
+        return self._on_every_rank("save_checkpoint", lambda t: t.save_checkpoint.remote(root, step))
+
+    def load_checkpoint(self, path: str) -> None:
+        self._on_every_rank("load_checkpoint", lambda t: t.load_checkpoint.remote(path))
+
+    def export_hf(self, out_dir: str) -> str | None:
+        """The model as an HF checkpoint in `out_dir`; returns the directory rank 0 wrote."""
+        return self._on_every_rank("export_hf", lambda t: t.export_hf.remote(out_dir))[0]
+
+    def pids(self) -> list[int]:
+        """The ranks' process ids, in rank order."""
+        return self._on_every_rank("pid", lambda t: t.pid.remote())
+
+    def close(self) -> None:
+        """Every rank closes its weight group and Megatron's process groups; then the actors end."""
+        _close(self.actors, lambda t: t.close.remote())
+
+
+class Rollouts:
+    """The rollout manager and the engine hosts, in engine order (with eval.bf16_reference the last host is
+    the reference engine's). The manager writes `logs`/rollout-manager.log."""
+
+    def __init__(self, manager, hosts: list, logs: str):
+        self.manager = manager
+        self.hosts = hosts
+        self.logs = logs
+        self.urls: list[str] = []  # the engines' URLs from the last `endpoints()`: a failure names a node by them
+
+    def _ask(self, method: str, call: Callable[[], Any]):
+        """The result of `call()`, the manager's remote call of `method`; an engine's failure passes through as
+        EngineFailure, any other error ends the run (RunFailure)."""
+        try:
+            return ray.get(call())
+        except Exception as err:  # noqa: BLE001 - classified below
+            if isinstance(getattr(err, "cause", None), EngineFailure):
+                raise err.cause from None
+            raise RunFailure(f"the rollout manager failed in {method}: {_reason(err)}; see "
+                             f"{self.logs}/rollout-manager.log") from None
+
+    def endpoints(self) -> list[tuple[str, str | None]]:
+        """Every rollout engine's (URL, API key), in engine order."""
+        endpoints = self._ask("endpoints", lambda: self.manager.endpoints.remote())
+        self.urls = [url for url, _ in endpoints]
+        return endpoints
+
+    def reference_endpoint(self) -> tuple[str, str | None]:
+        """(URL, API key) of the BF16 reference engine."""
+        return self._ask("reference_endpoint", lambda: self.manager.reference_endpoint.remote())
+
+    def quantized_linears(self) -> list[set[str]]:
+        """HF module names of the linears each rollout engine quantized, in engine order."""
+        return self._ask("quantized_linears", lambda: self.manager.quantized_linears.remote())
+
+    def generate(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """The scored samples of `step` and the rollout's metrics."""
+        return self._ask("generate", lambda: self.manager.generate.remote(step))
+
+    def evaluate(self, step: int, *, reference: bool = False) -> dict[str, float]:
+        """The eval/* metrics after `step` steps, of the rollout engines or (`reference`) the BF16 one."""
+        return self._ask("evaluate", lambda: self.manager.evaluate.remote(step, reference=reference))
+
+    def release_memory(self, *, reference: bool = False) -> None:
+        """The rollout engines (or the reference engine) give back their GPU memory."""
+        self._ask("release_memory", lambda: self.manager.release_memory.remote(reference=reference))
+
+    def resume_memory(self, tags: list[str], *, reference: bool = False) -> None:
+        """The rollout engines (or the reference engine) take back the memory of `tags` they released."""
+        self._ask("resume_memory", lambda: self.manager.resume_memory.remote(tags, reference=reference))
+
+    def pids(self) -> list[int]:
+        """The engine servers' process ids, in engine order."""
+        return self._ask("pids", lambda: self.manager.pids.remote())
+
+    def restart(self, index: int) -> None:
+        """Restart engine `index` (rollout.engines: the reference engine) on its node. While Ray cannot reach
+        the node (the engine's host actor "unavailable": a link down, a node not yet declared dead) this
+        waits, until the host answers or Ray declares it dead. An engine whose host actor died, with its
+        node's Ray processes or the node itself, cannot be restarted: RunFailure naming the engine and the
+        node."""
+        errors = ray.exceptions
+        while True:
+            try:
+                ray.get(self.hosts[index].pid.remote())
+                break
+            except errors.ActorUnavailableError:  # Ray has not decided yet: ask again
+                time.sleep(1.0)
+            except errors.RayActorError as err:
+                url = self.urls[index] if index < len(self.urls) else ""
+                raise RunFailure(f"rollout engine {index} is gone with its host on node "
+                                 f"{urlsplit(url).hostname or '?'}: {_reason(err)}; bring the node back into the "
+                                 "Ray cluster (launch/ray_cluster.sh worker) before resuming") from None
+            except Exception:  # noqa: BLE001 - the host answered, with an error of its engine's: it is there
+                break
+        self._ask("restart", lambda: self.manager.restart.remote(index))
+
+    def close(self) -> None:
+        """Every host stops its engine server; then the hosts and the manager end."""
+        _close(self.hosts, lambda h: h.shutdown.remote())
+        ray.kill(self.manager)
