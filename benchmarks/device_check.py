@@ -64,12 +64,13 @@ def step(model_path: str, rows: int, length: int, vocab: int, *overrides: str) -
     planner's peak for the same config."""
     from qurl_mcore.config import load_config
     from qurl_mcore.loop.trainer import PolicyTrainer
-    from qurl_mcore.sizing import Shape, model_config, trainer_bytes
+    from qurl_mcore.models.registry import shape
+    from qurl_mcore.sizing import model_config, trainer_bytes
 
     cfg = load_config(None, [f"model.path={model_path}", "precision=bf16", "uaq.enabled=false", "train.loss=ppo",
                              "train.lr=1e-5", f"train.micro_batch_size={min(rows, 4)}",
                              f"rollout.context_length={length}", f"rollout.max_new_tokens={length // 2}", *overrides])
-    planned = trainer_bytes(Shape.of(model_config(model_path)[0]), cfg, cuda=torch.cuda.is_available())["peak"]
+    planned = trainer_bytes(shape(model_config(model_path)[0]), cfg, cuda=torch.cuda.is_available())["peak"]
     trainer = PolicyTrainer(cfg)
     try:
         data = batch(rows, length, vocab)

@@ -52,9 +52,10 @@ def decode_speedups(device: str, shapes=DECODE_SHAPES, batches=DECODE_BATCHES, r
 def qwen25_7b_linears() -> list[tuple[int, int]]:
     """The [out, in] shapes of Qwen2.5-7B's quantized linears (scope all: attention and MLP), from its card."""
     from qurl_mcore.models.cards import card
-    from qurl_mcore.sizing import Shape, hf_tensors
+    from qurl_mcore.models.registry import shape
+    from qurl_mcore.sizing import hf_tensors
 
-    return [t.shape for t in hf_tensors(Shape.of(card("Qwen2.5-7B"))) if t.kind in ("attention", "mlp")
+    return [t.shape for t in hf_tensors(shape(card("Qwen2.5-7B"))) if t.kind in ("attention", "mlp")
             and len(t.shape) == 2]
 
 

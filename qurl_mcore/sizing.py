@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .models.registry import num_experts
+from .models.registry import ARCHITECTURES, shape
+from .models.slots import Shape, Slot
 from .precision import quantized_linears
 
 GB = 10**9
@@ -145,9 +146,10 @@ _DTYPE_BYTES = {"bfloat16": 2, "float32": 4}  # rollout.dtype
 
 @dataclass(frozen=True)
 class Tensor:
-    """One HF tensor: its name, shape, layer (None: embedding, final norm, lm_head) and kind, which says how
-    it is sharded: vocab rows (embedding, output), replicated (norm, router), over TP (attention, mlp,
-    shared_experts, bias) or over EP and ETP (experts)."""
+    """One HF tensor: its name, shape, layer (None: embedding, final norm, lm_head) and kind, the group of its
+    slot in the architecture table (`qurl_mcore.models.slots.GROUPS`), which says how it is sharded: vocab rows
+    (embedding, output), replicated (norm, router), over TP (attention with its biases, mlp, shared_experts)
+    or over EP and ETP (experts)."""
 
     name: str
     shape: tuple[int, ...]
@@ -182,44 +184,6 @@ def model_config(path: str) -> tuple[dict[str, Any], str]:
         raise ValueError(err.args[0]) from None
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The fields of an HF config.json that size a model."""
-
-    model_type: str
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    experts: int
-    topk: int
-    moe_intermediate: int
-    shared_intermediate: int
-    qkv_bias: bool
-    qk_norm: bool
-
-    @classmethod
-    def of(cls, hf: dict[str, Any]) -> Shape:
-        h, a = hf["hidden_size"], hf["num_attention_heads"]
-        return cls(
-            model_type=hf.get("model_type", ""), hidden=h, intermediate=hf.get("intermediate_size", 0),
-            layers=hf["num_hidden_layers"], heads=a, kv_heads=hf.get("num_key_value_heads") or a,
-            head_dim=hf.get("head_dim") or h // a, vocab=hf["vocab_size"],
-            tied=bool(hf.get("tie_word_embeddings", False)), experts=num_experts(hf),
-            topk=hf.get("num_experts_per_tok") or 0, moe_intermediate=hf.get("moe_intermediate_size") or 0,
-            shared_intermediate=hf.get("shared_expert_intermediate_size") or 0,
-            qkv_bias=hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe"))
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2, tp: int = 1) -> int:
-        """KV cache per token: 2 (k, v) · L · g · d · bytes, per GPU of a TP engine (g/TP heads, at least one)."""
-        return 2 * self.layers * max(1, self.kv_heads // tp) * self.head_dim * dtype_bytes
-
-
 @functools.lru_cache(maxsize=64)
 def _quantized(s: Shape, precision: str, scope: str, side: str) -> frozenset[str]:
     """HF weight names `precision.quantized_linears` gives for this shape (cached: MoE models have 10^4+)."""
@@ -228,61 +192,39 @@ def _quantized(s: Shape, precision: str, scope: str, side: str) -> frozenset[str
     return frozenset(n + ".weight" for n in quantized_linears(c, precision, scope, side))
 
 
-def _layer_tensors(s: Shape, i: int, ep: int) -> dict[str, list[Tensor]]:
-    """Layer i's tensors by export rule (`megatron.convert.NAME_TABLE` order)."""
-    h, d, a, g = s.hidden, s.head_dim, s.heads, s.kv_heads
-
-    def t(name: str, shape: tuple[int, ...], kind: str) -> Tensor:
-        return Tensor(f"model.layers.{i}.{name}", shape, i, kind)
-
-    rules: dict[str, list[Tensor]] = {
-        "input_layernorm": [t("input_layernorm.weight", (h,), "norm")],
-        "qkv": [t(f"self_attn.{x}_proj.weight", (n * d, h), "attention") for x, n in zip("qkv", (a, g, g))],
-        "qkv_bias": [t(f"self_attn.{x}_proj.bias", (n * d,), "bias") for x, n in zip("qkv", (a, g, g))]
-        if s.qkv_bias else [],
-        "q_norm": [t("self_attn.q_norm.weight", (d,), "norm")] if s.qk_norm else [],
-        "k_norm": [t("self_attn.k_norm.weight", (d,), "norm")] if s.qk_norm else [],
-        "o_proj": [t("self_attn.o_proj.weight", (h, a * d), "attention")],
-        "post_attention_layernorm": [t("post_attention_layernorm.weight", (h,), "norm")],
-    }
-    if not s.experts:
-        i_ = s.intermediate
-        rules["fc1"] = [t(f"mlp.{x}_proj.weight", (i_, h), "mlp") for x in ("gate", "up")]
-        rules["fc2"] = [t("mlp.down_proj.weight", (h, i_), "mlp")]
-        return rules
-    im, local = s.moe_intermediate, s.experts // ep
-    order = [r * local + j for j in range(local) for r in range(ep)]  # local expert j of each EP rank r
-    rules["router"] = [t("mlp.gate.weight", (s.experts, h), "router")]
-    rules["experts_fc1"] = [t(f"mlp.experts.{e}.{x}_proj.weight", (im, h), "experts") for e in order
-                            for x in ("gate", "up")]
-    rules["experts_fc2"] = [t(f"mlp.experts.{e}.down_proj.weight", (h, im), "experts") for e in order]
-    if s.shared_intermediate:
-        si = s.shared_intermediate
-        rules["shared"] = [t(f"mlp.shared_expert.{x}_proj.weight", shape, "shared_experts")
-                           for x, shape in (("gate", (si, h)), ("up", (si, h)), ("down", (h, si)))]
-    return rules
+def _layer_tensors(s: Shape, slots: tuple[Slot, ...], i: int, ep: int) -> list[list[Tensor]]:
+    """Layer i's tensors, one list per per-layer slot of the architecture table (its export order); routed
+    experts in the order `megatron.export_hf_weights` yields them under EP: local expert j of each EP rank r."""
+    local = s.experts // ep if s.experts else 0
+    order = [r * local + j for j in range(local) for r in range(ep)]
+    return [[Tensor(t.format(layer=i, expert=e), shape, i, slot.group)
+             for e in (order if slot.per_expert else [None]) for t, shape in zip(slot.hf, slot.shapes(s))]
+            for slot in slots if slot.per_layer]
 
 
 @functools.lru_cache(maxsize=64)
 def hf_tensors(s: Shape, pp: int = 1, ep: int = 1) -> tuple[Tensor, ...]:
     """Every HF tensor of the model, in the order `megatron.export_hf_weights` yields them under PP stages and
-    EP: stage by stage; within a stage rule by rule (embedding, each per-layer rule over the stage's layers,
-    final norm, lm_head unless tied)."""
+    EP: stage by stage; within a stage slot by slot (the slots before the layers' on the first stage, each
+    per-layer slot over the stage's layers, the slots after the layers' on the last)."""
     if s.layers % pp:
         raise ValueError(f"train.pp_size: {pp} must divide the model's {s.layers} layers")
+    slots = tuple(x for x in ARCHITECTURES[s.model_type].slots_with(s.features) if x.exported)
+    first = next(k for k, x in enumerate(slots) if x.per_layer)
+    ends = [[Tensor(t, shape, None, x.group) for t, shape in zip(x.hf, x.shapes(s))]
+            for x in slots if not x.per_layer]
+    before, after = ends[:first], ends[first:]
     per = s.layers // pp
     out: list[Tensor] = []
     for stage in range(pp):
         if stage == 0:
-            out.append(Tensor("model.embed_tokens.weight", (s.vocab, s.hidden), None, "embedding"))
-        layers = [_layer_tensors(s, i, ep) for i in range(stage * per, (stage + 1) * per)]
-        for rule in layers[0] if layers else ():
+            out.extend(t for ts in before for t in ts)
+        layers = [_layer_tensors(s, slots, i, ep) for i in range(stage * per, (stage + 1) * per)]
+        for rule in range(len(layers[0]) if layers else 0):
             for by_rule in layers:
                 out.extend(by_rule[rule])
         if stage == pp - 1:
-            out.append(Tensor("model.norm.weight", (s.hidden,), None, "norm"))
-            if not s.tied:
-                out.append(Tensor("lm_head.weight", (s.vocab, s.hidden), None, "output"))
+            out.extend(t for ts in after for t in ts)
     return tuple(out)
 
 
@@ -753,7 +695,7 @@ def plan(cfg: Config, hf: dict[str, Any], gpu: str, gpus_per_node: int = 8, node
         raise ValueError(f"master {master!r}: use host (the plugin's default) or device")
     if link is not None and link not in LINK_NAMES:
         raise ValueError(f"unknown link {link!r}; use one of {list(LINK_NAMES)}")
-    s = Shape.of(hf)
+    s = shape(hf)
     if s.experts and s.experts % cfg.train.ep_size:
         raise ValueError(f"train.ep_size: {cfg.train.ep_size} must divide the model's {s.experts} experts")
     needed = _nodes_needed(cfg, gpus_per_node)

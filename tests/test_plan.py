@@ -14,10 +14,10 @@ import torch
 
 from qurl_mcore.config import load_config
 from qurl_mcore.models.cards import CARDS, card
-from qurl_mcore.models.registry import hf_linears
+from qurl_mcore.models.registry import hf_linears, shape
+from qurl_mcore.models.slots import LINEAR_GROUPS
 from qurl_mcore.sizing import (
     WEIGHT_FORMATS,
-    Shape,
     activation_bytes,
     check_fits,
     hf_tensors,
@@ -42,10 +42,10 @@ def _hf_numel(path) -> int:
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3_moe", "smollm2"])
 def test_parameter_count_equals_the_hf_model(model):
     hf, source = model_config(model)
-    s = Shape.of(hf)
+    s = shape(hf)
     assert parameter_count(s) == _hf_numel(Path(source).parent)
     # the linears a scope can quantize are the planner's linear weights (precision.py's list, not a copy)
-    linears = {t.name for t in hf_tensors(s) if t.kind in ("attention", "mlp", "experts", "shared_experts")}
+    linears = {t.name for t in hf_tensors(s) if t.kind in LINEAR_GROUPS and t.name.endswith(".weight")}
     assert linears == {n + ".weight" for n in hf_linears(hf)}
     assert all(t.kind == hf_linears(hf)[t.name.removesuffix(".weight")] for t in hf_tensors(s) if t.name in linears)
 
@@ -58,7 +58,7 @@ PUBLISHED_B = {"Qwen2.5-0.5B": 0.494, "DeepSeek-R1-Distill-Qwen-1.5B": 1.78, "Qw
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_B))
 def test_cards_count_the_published_parameters(name):
-    count = parameter_count(Shape.of(card(name)))
+    count = parameter_count(shape(card(name)))
     assert count / 1e9 == pytest.approx(PUBLISHED_B[name], rel=0.002)
 
 
@@ -117,7 +117,7 @@ def smollm2_trainer():
 
 def test_trainer_bytes_match_a_real_step(smollm2_trainer):
     cfg, numel, measured, _ = smollm2_trainer
-    s = Shape.of(model_config("smollm2")[0])
+    s = shape(model_config("smollm2")[0])
     planned = trainer_bytes(s, cfg, cuda=False)
     assert planned["parameters"] == numel
     # fp32: params 4 + gradients 4 (the DDP buffer) + Adam 8 bytes per parameter, no main params
@@ -127,7 +127,7 @@ def test_trainer_bytes_match_a_real_step(smollm2_trainer):
 
 def test_push_bytes_and_buckets_match_the_export(smollm2_trainer):
     cfg, _, _, exported = smollm2_trainer
-    s = Shape.of(model_config("smollm2")[0])
+    s = shape(model_config("smollm2")[0])
     push = push_bytes(s, cfg)
     assert push["bytes"] == sum(n for bucket in exported for _, n in bucket)
     assert push["buckets"] == len(exported) > 1
@@ -143,7 +143,7 @@ def test_trainer_states_by_hand():
                              "uaq.enabled=false"])
     per_layer = (128 * 128 + 2 * 64 * 128 + 128 * 128 + 3 * 128 * 256) // 2 + 2 * 128  # linears /TP, norms whole
     n = 2 * per_layer + 2 * 49152 * 128 // 2 + 128
-    t = trainer_bytes(Shape.of(hf), cfg, cuda=True)
+    t = trainer_bytes(shape(hf), cfg, cuda=True)
     assert t["parameters"] == n
     assert (t["params"], t["gradients"]) == (2 * n, 4 * n)
     assert (t["main_params"]["distributed"], t["optimizer"]["distributed"]) == (4 * n // 2, 8 * n // 2)
@@ -156,7 +156,7 @@ def test_activations_by_hand():
     hf, _ = model_config("tiny-llama")
     cfg = load_config(None, ["model.path=tiny-llama", "precision=bf16", "uaq.enabled=false",
                              "rollout.context_length=64", "train.micro_batch_size=2"])
-    s, e, tokens = Shape.of(hf), 2, 64 * 2
+    s, e, tokens = shape(hf), 2, 64 * 2
     norm = e * 128 + e * 128 + 4  # input, normalised copy, 1/rms
     attention = norm + e * 128 + e * 4 * 32 + e * 4 * 32  # + QKV input, q after RoPE, o_proj input
     core = e * 64 + 4 * 4 + 2 * e * 4 * 32  # mask row, log-sum-exp, k and v repeated to 4 heads
@@ -199,7 +199,7 @@ def test_kv_cache_from_mem_fraction_by_hand():
     from qurl_mcore.sizing import GPUS, engine_bytes, sglang_reserve
 
     hf, _ = model_config("tiny-llama")
-    s, gpu = Shape.of(hf), GPUS["h100-80g"]
+    s, gpu = shape(hf), GPUS["h100-80g"]
     cfg = load_config(None, ["model.path=tiny-llama", "precision=bf16", "rollout.mem_fraction=0.25"])
     e = engine_bytes(s, cfg, gpu)
     reserve, graphs = sglang_reserve(gpu, 1)

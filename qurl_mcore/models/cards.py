@@ -6,7 +6,7 @@ rope and tokenizer fields left out). `card(name)` finds one by the checkpoint di
 config's `model.path: /models/Qwen2.5-Math-7B` sizes as Qwen2.5-Math-7B wherever the path is absent; an
 "-Instruct" suffix names the same shape as its base model.
 
-"DeepSeek-V3-shape" is a shape only, in the Qwen-MoE vocabulary the rest of the project reads: its multi-head
+"DeepSeek-V3-shape" is a shape only, sized with the Qwen3-MoE table (model_type qwen3_moe, so q/k norms too): its multi-head
 latent attention (MLA) is approximated by grouped-query attention with 128 heads of 128 and 2 key-value heads
 (512 cached values per token and layer; MLA caches 576), all 61 layers are MoE (the real model's first 3 are
 dense), and the multi-token-prediction module is left out. It counts 707B parameters, 5% more than the real 671B.
@@ -47,7 +47,7 @@ CARDS: dict[str, dict[str, Any]] = {
                      "num_attention_heads": 32, "num_key_value_heads": 8},
     "Llama-3.1-70B": {**_LLAMA31, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                       "num_attention_heads": 64, "num_key_value_heads": 8},
-    "DeepSeek-V3-shape": {"model_type": "deepseek_v3", "shape_only": True, "hidden_size": 7168,
+    "DeepSeek-V3-shape": {"model_type": "qwen3_moe", "shape_only": True, "hidden_size": 7168,
                           "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
                           "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 129280,
                           "tie_word_embeddings": False, "num_experts": 256, "num_experts_per_tok": 8,

@@ -12,14 +12,15 @@ from qurl_mcore.config import load_config
 from qurl_mcore.megatron import build_gpt
 from qurl_mcore.megatron.logprobs import token_logprobs
 from qurl_mcore.models import resolve_model_path
-from qurl_mcore.sizing import Shape, _stages, activation_bytes, layer_activation_bytes, model_config
+from qurl_mcore.models.registry import shape
+from qurl_mcore.sizing import _stages, activation_bytes, layer_activation_bytes, model_config
 
 
 def _plan(name: str, precision: str, s: int, b: int, recompute: str = "none"):
     cfg = load_config(None, [f"model.path={name}", f"precision={precision}", "uaq.enabled=false",
                              f"rollout.context_length={s}", f"train.micro_batch_size={b}",
                              "rollout.max_new_tokens=8", f"train.recompute={recompute}"])
-    return Shape.of(model_config(name)[0]), cfg
+    return shape(model_config(name)[0]), cfg
 
 
 def _saved_in_layers(model, ids) -> int:
