@@ -185,7 +185,7 @@ def _align(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .megatron.export import export_checkpoint, unscale_hf_checkpoint
+    from .megatron.export import claim_output, export_checkpoint, unscale_hf_checkpoint
 
     src = Path(args.checkpoint)
     hf_dir = (src / "config.json").is_file() and not (src / "meta.json").is_file()
@@ -196,6 +196,7 @@ def _export(args: argparse.Namespace) -> int:
         if hf_dir and args.uaq_scale is None:
             raise ValueError(f"{src} is an HF checkpoint (config.json, no meta.json): pass --uaq-scale S, the UAQ "
                              "factor its run trained with (slime: qurl_uaq_scale), to write it unscaled")
+        claim_output(args.out, src, force=args.force)
         out = (unscale_hf_checkpoint(src, args.out, args.uaq_scale) if hf_dir
                else export_checkpoint(src, args.out, dtype=args.dtype))
     except (OSError, ValueError) as err:
@@ -395,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("export", help="a run's checkpoint as an HF checkpoint (transformers, SGLang load it), "
                                         "or a UAQ-scaled HF checkpoint unscaled")
     exp.add_argument("checkpoint", help="a checkpoint step directory, or a checkpoint.dir (its newest valid one)")
-    exp.add_argument("out", help="the HF checkpoint directory to write")
+    exp.add_argument("out", help="the HF checkpoint directory to write: new, empty, or an earlier export")
+    exp.add_argument("--force", action="store_true",
+                     help="replace OUT even if it holds other files, once the export is whole (never a checkpoint)")
     exp.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                      help="of a qurl checkpoint's export (an HF directory keeps its tensors' dtypes)")
     exp.add_argument("--uaq-scale", type=float, default=None, metavar="S",

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from .config import Config, flatten, load_config, to_dict
+from .config import Config, flatten, load_config, read_yaml, to_dict
 from .loop.outcome import EXIT_FINISHED, EXIT_STOPPED
 from .loop.tracking import read_metrics
 
@@ -174,8 +174,6 @@ def plan(variants: Sequence[Variant], seeds: Sequence[int], out: Path, base: Pat
          overrides: Sequence[str] = ()) -> list[Run]:
     """Every run, seed-major, each config loaded and checked (ConfigError lists every problem of the first bad
     one) before anything starts."""
-    import yaml
-
     labels = [v.label for v in variants]
     twice = sorted({label for label in labels if labels.count(label) > 1})
     if twice:
@@ -192,7 +190,7 @@ def plan(variants: Sequence[Variant], seeds: Sequence[int], out: Path, base: Pat
             run_dir = out / v.label / f"seed{seed}"
             own = [f"seed={seed}", f"checkpoint.dir={run_dir / 'checkpoints'}", f"logging.dir={run_dir / 'logs'}",
                    "logging.progress=false"]  # the run prints to train.log, where a progress bar is noise
-            layered = as_overrides(yaml.safe_load(v.config.read_text()) or {}) if base else []
+            layered = as_overrides(read_yaml(v.config) or {}) if base else []
             args = (*layered, *overrides, *own)
             config = base or v.config
             runs.append(Run(v, seed, run_dir, config, args, load_config(config, list(args))))

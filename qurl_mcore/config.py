@@ -173,30 +173,49 @@ class Config:
 
 
 class ConfigError(ValueError):
-    """Raised with every problem found, one per line."""
+    """Raised with every problem found, one per line (`problems`: the lines themselves)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
+
+
+def _within(lo: float, hi: float, *, open_lo: bool = False, open_hi: bool = False):
+    """(test, meaning) of the interval from lo to hi; an infinite or NaN value is outside every one."""
+    def test(v) -> bool:
+        return (lo < v if open_lo else lo <= v) and (v < hi if open_hi else v <= hi)
+
+    return test, f"must be in {'(' if open_lo else '['}{lo:g}, {hi:g}{')' if open_hi else ']'}"
 
 
 _POSITIVE = (lambda v: v > 0, "must be positive")
 _NON_NEGATIVE = (lambda v: v >= 0, "must be >= 0")
-#: field -> (the test its value must pass, what that means)
+#: field -> (the test its value must pass, what that means). Every float field has a bounded interval, so
+#: .inf and absurd values (lr=1e9) are refused where they are given, not steps later as NaN weights.
 RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{name: _POSITIVE for name in (
         "data.prompts_per_step", "data.num_prompts", "data.max_operand", "rollout.samples_per_prompt",
         "rollout.max_new_tokens", "rollout.engines", "rollout.tp_size", "rollout.context_length",
         "rollout.push_bucket_mb", "train.tp_size", "train.ep_size", "train.dp_size", "train.pp_size",
-        "train.micro_batch_size",
-        "train.lr", "train.mini_batches", "checkpoint.every", "checkpoint.keep", "steps", "uaq.scale",
-        "eval.num_prompts", "eval.n")},
+        "train.mini_batches", "checkpoint.every", "checkpoint.keep", "steps", "eval.num_prompts", "eval.n")},
     **{name: _NON_NEGATIVE for name in (
-        "rollout.temperature", "rollout.max_total_tokens", "rollout.restart_attempts", "train.threads",
-        "train.eps_high", "train.kl_coef", "train.entropy_coef", "train.grad_clip", "train.weight_decay",
-        "eval.every", "eval.temperature")},
-    "train.eps_low": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "train.tis_cap": (lambda v: v >= 1, "must be >= 1"),
-    "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+        "rollout.max_total_tokens", "rollout.restart_attempts", "train.threads", "eval.every")},
+    "train.micro_batch_size": _within(1, 65536),
+    "rollout.temperature": _within(0, 10),
+    "eval.temperature": _within(0, 10),
+    "rollout.top_p": _within(0, 1, open_lo=True),
     "rollout.top_k": (lambda v: v == -1 or v > 0, "must be -1 (off) or a positive count"),
-    "rollout.mem_fraction": (lambda v: 0 <= v < 1, "must be in [0, 1) (0: SGLang's default)"),
-    "rollout.broadcast_timeout_s": (lambda v: v > 0, "must be > 0 seconds"),
+    "rollout.mem_fraction": (_within(0, 1, open_hi=True)[0], "must be in [0, 1) (0: SGLang's default)"),
+    "rollout.broadcast_timeout_s": (_within(0, 86400, open_lo=True)[0], "must be in (0, 86400] seconds"),
+    "train.lr": _within(0, 1, open_lo=True),
+    "train.weight_decay": _within(0, 1),
+    "train.grad_clip": _within(0, 1e4),
+    "train.eps_low": _within(0, 1, open_hi=True),
+    "train.eps_high": _within(0, 10),
+    "train.tis_cap": _within(1, 1e4),
+    "train.kl_coef": _within(0, 100),
+    "train.entropy_coef": _within(0, 1),
+    "uaq.scale": _within(0, 16, open_lo=True),
 }
 
 
@@ -261,9 +280,27 @@ def _build(cls, data: dict, prefix: str, errors: list[str]):
     return cls(**kwargs)
 
 
-def _apply_override(data: dict, item: str, errors: list[str]) -> None:
+def _parse_yaml(text: str) -> tuple[Any, str | None]:
+    """(the value, None), or (None, why `text` is not YAML, with the line and column where it stops)."""
     import yaml
 
+    try:
+        return yaml.safe_load(text), None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        problem = ": ".join(filter(None, (getattr(err, "context", None), getattr(err, "problem", None)))) or str(err)
+        return None, f"line {mark.line + 1} column {mark.column + 1}: {problem}" if mark else problem
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The YAML file `path`; ConfigError naming the file, line and column if it is not YAML."""
+    value, problem = _parse_yaml(Path(path).read_text())
+    if problem:
+        raise ConfigError(f"{path}: not valid YAML: {problem}")
+    return value
+
+
+def _apply_override(data: dict, item: str, errors: list[str]) -> None:
     if "=" not in item:
         errors.append(f"override {item!r}: expected key=value, e.g. train.lr=1e-6")
         return
@@ -275,20 +312,22 @@ def _apply_override(data: dict, item: str, errors: list[str]) -> None:
         if not isinstance(node, dict):
             errors.append(f"override {item!r}: {part} is not a section")
             return
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    value, problem = _parse_yaml(raw) if raw.strip() else ("", None)
+    if problem:
+        errors.append(f"override {item!r}: the value is not YAML ({problem}; quote a string: key='...')")
+        return
+    node[parts[-1]] = value
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults, then the YAML file (if any), then the overrides; raises ConfigError listing every bad field.
     Rules that involve several fields, the model or the cluster are `qurl_mcore.preflight`'s."""
-    import yaml
-
     data: dict = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = read_yaml(path) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded
@@ -298,7 +337,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     cfg = _build(Config, data, "", errors)
     if errors:
         where = f" in {path}" if path else ""
-        raise ConfigError(f"{len(errors)} problem(s){where}:\n  " + "\n  ".join(errors))
+        raise ConfigError(f"{len(errors)} problem(s){where}:\n  " + "\n  ".join(errors), errors)
     return cfg
 
 

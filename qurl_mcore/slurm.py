@@ -139,7 +139,7 @@ class SlurmJob:
         try:
             load_config(self.config if Path(self.config).is_file() else None, self.overrides)
         except ConfigError as err:
-            return [f"qurl train would refuse: {line.strip()}" for line in str(err).splitlines()[1:]]
+            return [f"qurl train would refuse: {problem}" for problem in err.problems]
         return []
 
     @property

@@ -297,6 +297,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     import ray
 
     from qurl_mcore.preflight import preflight
+    from qurl_mcore.runlock import lock_dirs
 
     from .checkpoint import StopRequest
     from .tracking import warnings_to_file
@@ -305,6 +306,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     checked = preflight(cfg, local=not address)
     if not checked.ok:
         raise ConfigError(checked.report())
+    locks = lock_dirs(cfg.checkpoint.dir, cfg.logging.dir)  # one run per directory, to the run's end
     resume_from, damaged = ckpt.latest_valid(cfg.checkpoint.dir)  # before anything starts: it reads every file
     for path, problem in damaged:
         say(f"checkpoint {path} is damaged ({problem}); " +
@@ -360,5 +362,6 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         loop.close()
         if owns_ray:
             ray.shutdown()
+        locks.release()
     report = write_report(log.path, cfg.logging.dir) if log.path.exists() else None
     return RunResult(step, stop.requested, Path(cfg.logging.dir), report)

@@ -20,6 +20,7 @@ from typing import Any
 from qurl_mcore.config import Config
 from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
 from qurl_mcore.rollout.engine import moe_shape
+from qurl_mcore.rollout.results import RequestRefused
 from qurl_mcore.sglang.options import QUANTIZED_LOG_ENV
 from qurl_mcore.tasks import REWARDS, Example, addition_examples, load_examples, score_all
 from qurl_mcore.transfer import bind_gloo_towards
@@ -286,6 +287,8 @@ class RolloutManager:
             try:
                 out.append(ray.get(future))
             except Exception as err:  # noqa: BLE001 - any transport/engine error means this engine must restart
+                if isinstance(getattr(err, "cause", err), RequestRefused):  # a request's own error: no restart
+                    raise getattr(err, "cause", err) from None
                 raise EngineFailure(index, f"{type(err).__name__}: {err}"[:2000]) from None
         return out
 

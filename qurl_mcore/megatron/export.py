@@ -15,6 +15,7 @@ run had trainer ranks (each loads its own file).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -25,15 +26,86 @@ _MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
 
 
+#: written into every directory an export makes: the mark that lets a later export replace it
+_MARK = ".qurl-export"
+#: names an export (`write_hf_checkpoint`) writes, so that one written before the mark existed is still its own
+_EXPORT_NAME = re.compile(r"model-\d{5}\.safetensors|model\.safetensors\.index\.json|" + "|".join(
+    re.escape(n) for n in _MODEL_FILES))
+#: what marks a directory as (part of) a run's checkpoints, which no export deletes
+_CHECKPOINT_NAME = re.compile(r"meta\.json|rank\d+\.pt|driver\.pt|step_\d{8}(\.partial)?")
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    """Whether directory `path`, at any depth, holds a checkpoint's files."""
+    return any(_CHECKPOINT_NAME.fullmatch(p.name) for p in path.rglob("*"))
+
+
+def _inside_checkpoint(path: Path) -> bool:
+    parents = path.resolve().parents
+    return (parents[0] / "meta.json").is_file() or any(_CHECKPOINT_NAME.fullmatch(p.name) for p in parents)
+
+
+def _written_by_export(path: Path) -> bool:
+    """Whether directory `path` is one an export made (replacing it loses nothing a user made)."""
+    entries = list(path.iterdir())
+    return (path / _MARK).is_file() or all(p.is_file() and _EXPORT_NAME.fullmatch(p.name) for p in entries)
+
+
+def _replaceable(out: Path) -> str | None:
+    """None if an export may write `out` (replacing what is there), else why not."""
+    if _inside_checkpoint(out):
+        return f"{out} is inside a checkpoint directory: write the export outside it"
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"{out} is a file, not a directory"
+    if _holds_checkpoint(out):
+        return f"{out} holds a checkpoint (meta.json, rank*.pt or step_* directories): it is never replaced"
+    if not any(out.iterdir()) or _written_by_export(out):
+        return None
+    names = sorted(p.name for p in out.iterdir())
+    return (f"{out} holds files no export wrote ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): "
+            "choose a new or empty directory, or pass --force to replace it")
+
+
+def claim_output(out: str | Path, source: str | Path, force: bool = False) -> Path:
+    """Check, before any work, that exporting `source` may write directory `out`: never the source or a directory
+    holding it, never a checkpoint or a directory inside one; a non-empty directory no export wrote only with
+    `force`, which marks it as the export's to replace once the new one is whole. Raises ValueError saying why."""
+    out, source = Path(out), Path(source)
+    if out.resolve() == source.resolve() or out.resolve() in source.resolve().parents:
+        raise ValueError(f"{out}: the output must not be {source}, the checkpoint exported, nor hold it")
+    problem = _replaceable(out)
+    if problem and force and out.is_dir() and not _holds_checkpoint(out) and not _inside_checkpoint(out):
+        (out / _MARK).write_text("replaced by the next export into it (qurl export --force)\n")
+        problem = None
+    if problem:
+        raise ValueError(problem)
+    return out
+
+
 def _fresh_partial(out: Path) -> Path:
-    """An empty `<out>.partial` to write into; `_commit` makes it `out`, so `out` appears whole or not at all."""
+    """An empty `<out>.partial` to write into; `_commit` makes it `out`, so `out` appears whole or not at all.
+    Fails at once if `out` is not the export's to replace; a `.partial` replaced is only an export's own."""
+    problem = _replaceable(out)
+    if problem:
+        raise ValueError(problem)
     partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    if partial.exists():
+        if not partial.is_dir() or any(partial.iterdir()) and not (partial / _MARK).is_file():
+            raise ValueError(f"{partial} exists and no export wrote it: move it away (it is where an export into "
+                             f"{out} is written first)")
+        shutil.rmtree(partial)
     partial.mkdir(parents=True)
+    (partial / _MARK).write_text("written by qurl export; a later export into this directory replaces it\n")
     return partial
 
 
 def _commit(partial: Path, out: Path) -> Path:
+    """Publish `partial` as `out`, replacing `out` only if it is the export's own (`_replaceable`)."""
+    problem = _replaceable(out)
+    if problem:
+        raise ValueError(f"{problem}; the export is left in {partial}")
     if out.exists():
         shutil.rmtree(out)
     partial.rename(out)

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from qurl_mcore.transfer import NamedTensor, buckets, dtype_name
 
 from .config import EngineConfig
-from .results import Generation, parse
+from .results import Generation, parse_batch
 
 #: default push bucket: 512 MiB bounds the extra memory of one push on both sides
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -130,7 +130,7 @@ class RolloutEngine(ABC):
         if routed_experts:
             extra["return_routed_experts"] = True
         outs = self._generate([list(ids) for ids in input_ids], dict(sampling or {}), extra)
-        return [parse(out, ids, self._moe_shape) for out, ids in zip(outs, input_ids)]
+        return parse_batch(outs, input_ids, self._moe_shape)
 
     @property
     def tp_size(self) -> int:

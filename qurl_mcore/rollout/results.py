@@ -35,6 +35,41 @@ def decode_routed_experts(encoded: str, num_layers: int, top_k: int) -> np.ndarr
     return flat.reshape(-1, num_layers, top_k)
 
 
+class RequestRefused(ValueError):
+    """The engine refused a request (a prompt longer than its context length, a request its KV cache cannot
+    hold): the request's error, which restarting the engine cannot fix."""
+
+
+def _refusal(out: Any) -> str | None:
+    """SGLang's reason if `out` is a refusal rather than a generation, else None. Two shapes (0.5.23): a
+    request refused before scheduling answers `{"error": {"message": ...}}` (HTTP 400, `_create_error_response`);
+    one the scheduler aborts comes back with `meta_info.finish_reason = {"type": "abort", "message": ...}`."""
+    if not isinstance(out, dict):
+        return f"an answer that is not a generation: {str(out)[:200]!r}"
+    if "error" in out:
+        error = out["error"]
+        return str(error.get("message", error) if isinstance(error, dict) else error)
+    reason = out.get("meta_info", {}).get("finish_reason")
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        return str(reason.get("message") or "aborted")
+    return None
+
+
+def parse_batch(outs: Any, input_ids: list[list[int]], moe_shape: tuple[int, int] | None) -> list[Generation]:
+    """The `Generation`s of one /generate call of len(input_ids) prompts. RequestRefused names the prompt (its
+    index and length) and SGLang's reason when the engine refused the call or one of its requests."""
+    longest = max(range(len(input_ids)), key=lambda i: len(input_ids[i]), default=0)
+    problem = _refusal(outs) if not isinstance(outs, list) else None
+    if problem is not None:  # the whole call refused: SGLang checks every prompt before it schedules any
+        raise RequestRefused(f"the engine refused {len(input_ids)} prompt(s) (the longest, #{longest}, has "
+                             f"{len(input_ids[longest]) if input_ids else 0} tokens): {problem}")
+    for i, out in enumerate(outs):
+        problem = _refusal(out)
+        if problem is not None:
+            raise RequestRefused(f"the engine refused prompt #{i} ({len(input_ids[i])} tokens): {problem}")
+    return [parse(out, ids, moe_shape) for out, ids in zip(outs, input_ids)]
+
+
 def parse(out: dict[str, Any], prompt_ids: list[int], moe_shape: tuple[int, int] | None) -> Generation:
     """A `Generation` from one SGLang response dict (Engine.generate or HTTP /generate)."""
     meta = out["meta_info"]

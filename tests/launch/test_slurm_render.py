@@ -114,7 +114,7 @@ def test_overrides_and_paths_are_shell_quoted(config):
     (dict(overrides=["train.lr=1e-6\nid"]), "override 'train.lr=1e-6\\nid' holds a control character"),
     # overrides are checked with qurl train's own schema
     (dict(overrides=["train.lrr=1"]), "qurl train would refuse: train.lrr: unknown field (did you mean train.lr?)"),
-    (dict(overrides=["train.eps_high=-1"]), "qurl train would refuse: train.eps_high: must be >= 0"),
+    (dict(overrides=["train.eps_high=-1"]), "qurl train would refuse: train.eps_high: must be in [0, 10]"),
 ])
 def test_bad_options_are_explained(config, kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -41,10 +41,10 @@ def test_field_ranges():
                            "train.lr=.nan"])
     text = str(err.value)
     assert "9 problem(s)" in text
-    for line in ("train.eps_low: must be in [0, 1), got 1.0", "train.eps_high: must be >= 0, got -0.1",
-                 "train.kl_coef: must be >= 0", "train.grad_clip: must be >= 0", "rollout.top_p: must be in (0, 1]",
-                 "rollout.top_k: must be -1 (off) or a positive count, got 0", "train.tis_cap: must be >= 1",
-                 "rollout.temperature: must be >= 0", "train.lr: must be positive, got nan"):
+    for line in ("train.eps_low: must be in [0, 1), got 1.0", "train.eps_high: must be in [0, 10], got -0.1",
+                 "train.kl_coef: must be in [0, 100]", "train.grad_clip: must be in [0, 10000]", "rollout.top_p: must be in (0, 1]",
+                 "rollout.top_k: must be -1 (off) or a positive count, got 0", "train.tis_cap: must be in [1, 10000]",
+                 "rollout.temperature: must be in [0, 10]", "train.lr: must be in (0, 1], got nan"):
         assert line in text, line
 
 
@@ -90,3 +90,64 @@ def test_the_precision_choices_are_the_tables():
     hints = typing.get_type_hints(Config)
     assert typing.get_args(hints["precision"]) == tuple(PRECISIONS)
     assert typing.get_args(hints["scope"]) == ("auto", *SCOPES)
+
+
+def test_every_float_field_refuses_infinity_and_nan_naming_its_range():
+    """A float field without a bound let `uaq.scale=.inf` through to NaN weights in the engines minutes later."""
+    from qurl_mcore.config import RANGES, flatten
+
+    floats = [name for name, value in flatten(to_dict(Config())).items() if isinstance(value, float)]
+    assert len(floats) >= 14 and set(floats) <= set(RANGES)
+    for bad, shown in ((".inf", "inf"), ("-.inf", "-inf"), (".nan", "nan")):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{name}={bad}" for name in floats])
+        assert sorted(err.value.problems) == sorted(f"{name}: {RANGES[name][1]}, got {shown}" for name in floats)
+        assert all(" must be in " in problem for problem in err.value.problems)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=1e9", "train.lr: must be in (0, 1], got 1000000000.0"),
+    ("train.eps_high=.inf", "train.eps_high: must be in [0, 10], got inf"),
+    ("train.kl_coef=1e6", "train.kl_coef: must be in [0, 100], got 1000000.0"),
+    ("train.tis_cap=.inf", "train.tis_cap: must be in [1, 10000], got inf"),
+    ("train.entropy_coef=5", "train.entropy_coef: must be in [0, 1], got 5.0"),
+    ("train.weight_decay=.inf", "train.weight_decay: must be in [0, 1], got inf"),
+    ("train.grad_clip=.inf", "train.grad_clip: must be in [0, 10000], got inf"),
+    ("rollout.temperature=.inf", "rollout.temperature: must be in [0, 10], got inf"),
+    ("uaq.scale=.inf", "uaq.scale: must be in (0, 16], got inf"),
+    ("train.micro_batch_size=100000000", "train.micro_batch_size: must be in [1, 65536], got 100000000"),
+])
+def test_absurd_values_are_refused_with_field_value_and_range(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.problems == [message]
+
+
+def test_malformed_yaml_names_file_line_and_column(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("steps: 3\ntrain:\n  lr: [1e-6\n  loss: acr\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: not valid YAML: line 4 column 7: ")
+    path.write_text("train:\n\tlr: 1\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: not valid YAML: line 2 column 1: .*'\\t'"):
+        load_config(path)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.lr=[1", "data.system_prompt=\"unclosed"])
+    assert [p.split(" (")[0] for p in err.value.problems] == [
+        "override 'train.lr=[1': the value is not YAML", "override 'data.system_prompt=\"unclosed': the value is not YAML"]
+
+
+@pytest.mark.parametrize("command", [["train", "--check"], ["plan"], ["eval", "--model", "none"], ["compare"]])
+def test_every_command_that_loads_a_config_says_where_yaml_is_malformed_with_rc_2(tmp_path, command):
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: [1e-6\nsteps: 3\n")
+    args = [*command, str(path), "--out", str(tmp_path / "cmp"), "--report-only"] if command == ["compare"] \
+        else [*command, "--config", str(path)]
+    out = subprocess.run([sys.executable, "-m", "qurl_mcore", *args], capture_output=True, text=True, timeout=120)
+    said = (out.stdout + out.stderr).strip()
+    assert out.returncode == 2 and said.count("\n") == 0 and "Traceback" not in said, said
+    assert f"{path}: not valid YAML: line 3 column 6:" in said

@@ -220,7 +220,7 @@ def test_bad_config_lists_every_problem_and_writes_nothing(tmp_path):
     out = subprocess.run([sys.executable, "-m", "qurl_mcore", "train", "--config", str(bad),
                           f"logging.dir={tmp_path}/logs"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    for problem in ("precision: 'int4' is not one of", "train.lr: must be positive",
+    for problem in ("precision: 'int4' is not one of", "train.lr: must be in (0, 1]",
                     "train.los: unknown field (did you mean train.loss?)"):
         assert problem in out.stderr, out.stderr
     assert not (tmp_path / "logs").exists()

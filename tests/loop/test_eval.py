@@ -96,7 +96,7 @@ def test_eval_fields_are_checked():
         load_config(None, ["eval.every=-1", "eval.n=0", "eval.temperature=-0.5", "eval.num_prompts=0",
                            "eval.bf16_refrence=true"])
     text = str(err.value)
-    for line in ("eval.every: must be >= 0", "eval.n: must be positive", "eval.temperature: must be >= 0",
+    for line in ("eval.every: must be >= 0", "eval.n: must be positive", "eval.temperature: must be in [0, 10]",
                  "eval.num_prompts: must be positive", "did you mean eval.bf16_reference?"):
         assert line in text
 

@@ -56,3 +56,63 @@ def test_an_api_key_that_reads_as_an_option_is_refused_before_a_server_starts():
         HttpEngine.launch(EngineConfig("/nonexistent"), api_key="-3xYz")
     keys = {new_api_key() for _ in range(1000)}
     assert len(keys) == 1000 and all(len(k) == 64 and set(k) <= set(string.hexdigits) for k in keys)
+
+
+def _sglang_error_body(message: str) -> dict:
+    """The body SGLang 0.5.23's /generate answers (HTTP 400) for a request its tokenizer manager refuses."""
+    from sglang.srt.entrypoints.http_server import _create_error_response
+
+    return json.loads(_create_error_response(ValueError(message)).body)
+
+
+def test_a_prompt_longer_than_the_context_is_the_requests_error_not_a_crash():
+    """SGLang refuses the whole /generate call with {"error": {"message": ...}}; parsing it used to fail with
+    `TypeError: string indices must be integers`, which the loop took for an engine crash and restarted."""
+    from qurl_mcore.rollout.results import RequestRefused, parse_batch
+
+    body = _sglang_error_body("The input (2100 tokens) is longer than the model's context length (2048 tokens).")
+    assert body == {"error": {"message": "The input (2100 tokens) is longer than the model's context length "
+                                         "(2048 tokens)."}}
+    with pytest.raises(RequestRefused, match=r"refused 2 prompt\(s\) \(the longest, #1, has 2100 tokens\): The "
+                                             r"input \(2100 tokens\) is longer than the model's context length"):
+        parse_batch(body, [[1] * 10, [1] * 2100], None)
+
+
+def test_a_request_the_scheduler_aborts_names_that_prompt():
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from qurl_mcore.rollout.results import RequestRefused, parse_batch
+
+    good = {"text": "a", "meta_info": {"output_token_logprobs": [(-0.5, 7, None)], "finish_reason": {"type": "stop"}}}
+    reason = FINISH_ABORT("Input length (5000 tokens) exceeds the maximum allowed length (4096 tokens).").to_json()
+    aborted = {"text": "", "meta_info": {"finish_reason": reason}}
+    assert [g.output_ids for g in parse_batch([good], [[1, 2]], None)] == [[7]]
+    with pytest.raises(RequestRefused, match=r"prompt #1 \(5000 tokens\): Input length \(5000 tokens\) exceeds"):
+        parse_batch([good, aborted], [[1, 2], [1] * 5000], None)
+
+
+def test_a_refused_request_is_no_engine_failure_to_restart():
+    """The rollout manager passes a refusal through (the driver ends the run naming it) instead of an
+    EngineFailure, which would restart the engine and retry the same prompt."""
+    from qurl_mcore.loop.rollout import EngineFailure, RolloutManager
+    from qurl_mcore.rollout.results import RequestRefused
+
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+    @ray.remote
+    def refuse():
+        raise RequestRefused("the engine refused prompt #0 (9000 tokens): too long")
+
+    @ray.remote
+    def crash():
+        raise RuntimeError("engine died")
+
+    try:
+        with pytest.raises(RequestRefused, match="prompt #0"):
+            RolloutManager._gather(None, {0: refuse.remote()})
+        with pytest.raises(EngineFailure, match="rollout engine 3 failed"):
+            RolloutManager._gather(None, {3: crash.remote()})
+    finally:
+        ray.shutdown()

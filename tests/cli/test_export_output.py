@@ -1,0 +1,74 @@
+"""`qurl export CKPT OUT` never deletes what it did not write: a directory of the user's, a checkpoint, the
+checkpoint exported or a directory inside one; `--force` replaces a user's directory, never a checkpoint."""
+import json
+
+import pytest
+import torch
+
+from qurl_mcore.cli import main
+from qurl_mcore.loop.checkpoint import finalize, verify, write_file
+
+
+def _checkpoint(root, step=1):
+    """A published checkpoint (what `qurl export` is given); its state need not be a model's for these refusals."""
+    files = [write_file(root, step, "rank0.pt", {"model": {"w": torch.zeros(2)}})]
+    return finalize(root, step, files, {"world_size": 1, "config": {}})
+
+
+def _uaq_scaled_hf(path):
+    """A small HF checkpoint directory (`qurl export --uaq-scale` input) with one tensor UAQ rescales."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    save_file({"model.layers.0.input_layernorm.weight": torch.ones(4)}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    return path
+
+
+@pytest.mark.parametrize("where", ["step", "checkpoint_dir"])
+def test_export_into_the_checkpoint_itself_is_refused_and_the_checkpoint_survives(tmp_path, capsys, where):
+    step = _checkpoint(tmp_path / "ckpt")
+    out = step if where == "step" else tmp_path / "ckpt"
+    for force in ([], ["--force"]):
+        assert main(["export", str(step), str(out), *force]) == 2
+        assert verify(step) is None  # meta.json and rank0.pt untouched
+    assert "must not be" in capsys.readouterr().out
+
+
+def test_export_into_a_directory_inside_a_checkpoint_is_refused(tmp_path, capsys):
+    step = _checkpoint(tmp_path / "ckpt")
+    hf = _uaq_scaled_hf(tmp_path / "hf_in")
+    assert main(["export", str(hf), str(step / "hf"), "--uaq-scale", "1.5"]) == 2
+    assert "inside a checkpoint directory" in capsys.readouterr().out and not (step / "hf").exists()
+
+
+def test_a_directory_of_the_users_is_refused_and_kept_then_replaced_with_force(tmp_path, capsys):
+    hf = _uaq_scaled_hf(tmp_path / "hf_in")
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert main(["export", str(hf), str(out), "--uaq-scale", "1.5"]) == 2
+    said = capsys.readouterr().out
+    assert "holds files no export wrote (notes.txt)" in said and "--force" in said
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert main(["export", str(hf), str(out), "--uaq-scale", "1.5", "--force"]) == 0
+    assert (out / "model.safetensors").is_file() and not (out / "notes.txt").exists()
+    # an export's own directory is replaced by the next export without --force
+    assert main(["export", str(hf), str(out), "--uaq-scale", "2.0"]) == 0
+
+
+def test_force_never_replaces_a_directory_holding_checkpoints(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    step = _checkpoint(runs / "demo" / "checkpoints")
+    hf = _uaq_scaled_hf(tmp_path / "hf_in")
+    assert main(["export", str(hf), str(runs), "--uaq-scale", "1.5", "--force"]) == 2
+    assert "holds a checkpoint" in capsys.readouterr().out and verify(step) is None
+
+
+def test_a_partial_directory_no_export_wrote_is_kept(tmp_path, capsys):
+    hf = _uaq_scaled_hf(tmp_path / "hf_in")
+    (tmp_path / "out.partial").mkdir()
+    (tmp_path / "out.partial" / "data.csv").write_text("1,2")
+    assert main(["export", str(hf), str(tmp_path / "out"), "--uaq-scale", "1.5"]) == 2
+    assert "no export wrote it" in capsys.readouterr().out
+    assert (tmp_path / "out.partial" / "data.csv").read_text() == "1,2"
