@@ -146,7 +146,7 @@ def training_model(precision: str, model_path: str, *, scope: str = "experts", f
     """A Megatron GPTModel of the checkpoint with the trainer side of `precision` (Megatron must be
     initialised)."""
     from .megatron.convert import load_hf_weights
-    from .megatron.models import build_gpt
+    from .megatron.gpt import build_gpt
 
     model = build_gpt(model_path, precision=precision, scope=scope, fmt=fmt)
     load_hf_weights(model, model_path)

@@ -134,7 +134,7 @@ def start_actors(cfg: Config, model_path: str, stop=None):
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from .rollout import EngineHost, RolloutManager, engine_config, reference_engine_config
+    from .sampler import EngineHost, RolloutManager, engine_config, reference_engine_config
     from .trainer import PolicyTrainer
 
     resources = ray.cluster_resources()

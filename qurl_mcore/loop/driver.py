@@ -87,7 +87,7 @@ class Loop:
         from qurl_mcore.models import resolve_model_path
 
         from .actors import start_actors
-        from .rollout import EngineFailure
+        from .sampler import EngineFailure
 
         self.cfg = cfg
         self.ray = ray
@@ -109,7 +109,7 @@ class Loop:
         """`method(*args)` on every trainer rank (they run together: most are collectives) and their results
         in rank order. The first failure ends the wait: an EngineFailure a rank reports passes through (that
         engine restarts); any other error is the rank's own and ends the run (RunFailure naming it)."""
-        from .rollout import EngineFailure
+        from .sampler import EngineFailure
 
         refs = {getattr(t, method).remote(*args): rank for rank, t in enumerate(self.trainers)}
         results, pending = {}, list(refs)
@@ -127,7 +127,7 @@ class Loop:
 
     def manager_do(self, method: str, *args):
         """`method(*args)` on the rollout manager; an engine's failure passes through as EngineFailure."""
-        from .rollout import EngineFailure
+        from .sampler import EngineFailure
 
         try:
             return self.ray.get(getattr(self.manager, method).remote(*args))
@@ -179,7 +179,7 @@ class Loop:
     def recovering(self, action, version: str):
         """`action()`, retried after restarting a failed engine and loading it with the trainer's current
         weights (tagged `version`), at most `rollout.restart_attempts` times."""
-        from .rollout import EngineFailure
+        from .sampler import EngineFailure
 
         attempts = self.cfg.rollout.restart_attempts
         for attempt in range(attempts + 1):

@@ -54,7 +54,7 @@ class PolicyTrainer:
         if log_file:  # an actor of a run: its output (Megatron's warnings included) goes to the run's logs
             redirect_output(log_file)
         from qurl_mcore.megatron import apply_uaq, build_gpt, init_parallel, load_hf_weights
-        from qurl_mcore.megatron.models import load_hf_config
+        from qurl_mcore.megatron.gpt import load_hf_config
         from qurl_mcore.megatron.parallel import current_device
         from qurl_mcore.megatron.training import build_training
 
@@ -341,7 +341,7 @@ class PolicyTrainer:
         IPC); disaggregated, rank 0 pushes to every engine by broadcast. Called again after a restart."""
         from qurl_mcore.rollout import HttpEngine
 
-        from .rollout import engine_config
+        from .sampler import engine_config
 
         if self.cfg.layout == "colocated":
             self.engine_ids = [self.rank] if self.rank < len(endpoints) else []
@@ -394,7 +394,7 @@ class PolicyTrainer:
         from qurl_mcore.rollout.broadcast import broadcast_weights
         from qurl_mcore.rollout.engine import WeightPushError, WeightSpecError
 
-        from .rollout import EngineFailure
+        from .sampler import EngineFailure
 
         start = time.perf_counter()
         targets = [k for k, i in enumerate(self.engine_ids) if only is None or i in only]
@@ -422,7 +422,7 @@ class PolicyTrainer:
         taken; raises EngineFailure naming it (engine number rollout.engines) when the push fails."""
         from qurl_mcore.rollout import HttpEngine, WeightSpecError
 
-        from .rollout import EngineFailure, reference_engine_config
+        from .sampler import EngineFailure, reference_engine_config
 
         start = time.perf_counter()
         with self._weight_stream() as stream:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from qurl_mcore.transfer import buckets, dtype_name
 from qurl_mcore.uaq import uaq_scale_hf
 
-from .models import load_hf_config
+from .gpt import load_hf_config
 
 LAYOUTS = ("replicated", "rows", "columns", "qkv", "gate_up")
 

@@ -116,7 +116,7 @@ def _export_rank(rank: int, checkpoint_dir: str, out_dir: str, dtype: str) -> st
     from qurl_mcore.loop.checkpoint import rank_file, read_file, read_meta
     from qurl_mcore.models import resolve_model_path
 
-    from .models import build_gpt
+    from .gpt import build_gpt
     from .parallel import destroy_parallel, init_parallel
 
     meta = read_meta(checkpoint_dir)

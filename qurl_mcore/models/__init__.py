@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-#: the HF model types qurl-mcore trains and rolls out (megatron/models.py maps each to Megatron)
+#: the HF model types qurl-mcore trains and rolls out (megatron/gpt.py maps each to Megatron)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 

@@ -193,7 +193,7 @@ def test_rollout_engine_kwargs_reach_sglang_server_args(monkeypatch, tiny_llama,
     from sglang.srt.layers import quantization
     from verl.utils.device import get_visible_devices_keyword
 
-    from qurl_mcore.sglang.config import CONFIGS
+    from qurl_mcore.sglang.quant_config import CONFIGS
     from qurl_mcore.sglang.options import QurlOptions
 
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")

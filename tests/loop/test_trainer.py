@@ -188,7 +188,7 @@ class _RecordingEngine(RolloutEngine):
 def test_push_streams_one_bucket_at_a_time():
     """The push never holds the model: when bucket k reaches the engine, no tensor of buckets < k is alive
     (before, the trainer staged the whole export, list(export_hf_weights(...)))."""
-    from qurl_mcore.loop.rollout import engine_config
+    from qurl_mcore.loop.sampler import engine_config
 
     trainer = _trainer("rollout.push_bucket_mb=1")
     try:

@@ -49,7 +49,7 @@ def test_an_api_key_that_reads_as_an_option_is_refused_before_a_server_starts():
     option (the server then exits with a usage error; one in 64 URL-safe keys did). The loop's keys are hex."""
     import string
 
-    from qurl_mcore.loop.rollout import new_api_key
+    from qurl_mcore.loop.sampler import new_api_key
     from qurl_mcore.rollout.http import HttpEngine
 
     with pytest.raises(ValueError, match="must not begin with '-'"):
