@@ -12,12 +12,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from qurl_mcore.precision import FP4_FORMATS, PRECISIONS, SCOPES, get_precision, resolve
+import torch
+import yaml
 
-# the choices of the precision table (qurl_mcore/precision.py), as types the field checks read
+from qurl_mcore.precision import FP4_FORMATS, PRECISIONS, SCOPES, get_precision, resolve
+from qurl_mcore.rl.losses import AGGREGATIONS, LOSSES
+from qurl_mcore.rl.metrics import KL_ESTIMATORS
+from qurl_mcore.tasks import REWARDS
+
+# the choices of the tables (precisions: qurl_mcore/precision.py, losses: qurl_mcore/rl/losses.py, rewards:
+# qurl_mcore/tasks/rewards.py), as types the field checks read
 PrecisionName = Literal[tuple(PRECISIONS)]  # type: ignore[valid-type]
 ScopeName = Literal[("auto", *SCOPES)]  # type: ignore[valid-type]
 FP4Format = Literal[FP4_FORMATS]  # type: ignore[valid-type]
+LossName = Literal[LOSSES]  # type: ignore[valid-type]
+Aggregation = Literal[AGGREGATIONS]  # type: ignore[valid-type]
+KLEstimator = Literal[KL_ESTIMATORS]  # type: ignore[valid-type]
+RewardName = Literal[tuple(REWARDS)]  # type: ignore[valid-type]
 
 @dataclass
 class ModelConfig:
@@ -30,7 +41,7 @@ class DataConfig:
     path: str = ""  # .jsonl or .parquet, for task "file"
     prompt_key: str = "question"
     answer_key: str = "answer"
-    reward: Literal["math", "first_number"] = "first_number"
+    reward: RewardName = "first_number"
     system_prompt: str = ""  # prepended to every prompt when set
     prompts_per_step: int = 8
     num_prompts: int = 512  # size of the generated set for task "addition"
@@ -73,13 +84,13 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_size: int = 8
-    loss: Literal["ppo", "naive", "decoupled", "tis", "mis", "acr", "acr_symmetric"] = "acr"
+    loss: LossName = "acr"
     eps_low: float = 0.2
     eps_high: float = 0.2
     tis_cap: float = 2.0
-    agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    agg: Aggregation = "token_mean"
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     advantage: Literal["grpo", "rloo"] = "grpo"
     scale_by_std: bool = True
@@ -143,16 +154,12 @@ class Config:
 
     def train_dtype(self, cuda: bool | None = None):
         """The trainer's parameter dtype: `train.dtype`, where auto is bf16 with CUDA and fp32 without."""
-        import torch
-
         cuda = torch.cuda.is_available() if cuda is None else cuda
         name = self.train.dtype if self.train.dtype != "auto" else ("bf16" if cuda else "fp32")
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
     def distributed_optimizer(self, cuda: bool | None = None) -> bool:
         """Whether the trainer shards its optimizer state over data-parallel ranks (auto: on with CUDA)."""
-        import torch
-
         cuda = torch.cuda.is_available() if cuda is None else cuda
         choice = self.train.distributed_optimizer
         return choice is True or (choice == "auto" and cuda)
@@ -160,8 +167,6 @@ class Config:
     def offload_rollout(self, cuda: bool | None = None) -> bool:
         """Whether engines release their GPU memory (weights, KV cache, CUDA graphs) while the trainer steps and
         take it back for the push and the rollout (auto: colocated on GPUs, where the two share each device)."""
-        import torch
-
         cuda = torch.cuda.is_available() if cuda is None else cuda
         choice = self.rollout.offload
         return choice is True or (choice == "auto" and cuda and self.layout == "colocated")
@@ -262,8 +267,6 @@ def _build(cls, data: dict, prefix: str, errors: list[str]):
 
 
 def _apply_override(data: dict, item: str, errors: list[str]) -> None:
-    import yaml
-
     if "=" not in item:
         errors.append(f"override {item!r}: expected key=value, e.g. train.lr=1e-6")
         return
@@ -281,8 +284,6 @@ def _apply_override(data: dict, item: str, errors: list[str]) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults, then the YAML file (if any), then the overrides; raises ConfigError listing every bad field.
     Rules that involve several fields, the model or the cluster are `qurl_mcore.preflight`'s."""
-    import yaml
-
     data: dict = {}
     if path is not None:
         path = Path(path)
