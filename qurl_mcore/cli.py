@@ -185,7 +185,8 @@ def _align(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .megatron.export import export_checkpoint, unscale_hf_checkpoint
+    from .export import export_checkpoint
+    from .megatron.export import unscale_hf_checkpoint
 
     src = Path(args.checkpoint)
     hf_dir = (src / "config.json").is_file() and not (src / "meta.json").is_file()

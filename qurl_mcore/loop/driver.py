@@ -31,7 +31,7 @@ import torch
 from qurl_mcore.config import Config, ConfigError, to_dict
 from qurl_mcore.rl.advantages import dynamic_sampling_mask, grpo_advantages, rloo_advantages
 
-from . import checkpoint as ckpt
+from qurl_mcore import checkpoint as ckpt
 from .batch import Sample, collate
 from .outcome import RunFailure
 from .report import write_report
@@ -376,7 +376,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
 
     from qurl_mcore.preflight import preflight
 
-    from .checkpoint import StopRequest
+    from .outcome import StopRequest
     from .tracking import warnings_to_file
 
     address = address or os.environ.get("RAY_ADDRESS")  # an existing cluster brings its own node tags

@@ -39,7 +39,7 @@ from qurl_mcore.models import resolve_model_path
 from qurl_mcore.rl.losses import aggregation_units, policy_loss
 from qurl_mcore.transfer import bind_gloo_towards
 
-from . import checkpoint as ckpt
+from qurl_mcore import checkpoint as ckpt
 from .batch import TrainBatch
 from .tracking import redirect_output
 

@@ -207,7 +207,7 @@ def test_export_of_a_trained_checkpoint_loads_in_transformers_with_the_same_logi
     from transformers import AutoModelForCausalLM
 
     from qurl_mcore.cli import main
-    from qurl_mcore.loop.checkpoint import finalize
+    from qurl_mcore.checkpoint import finalize
 
     trainer = _trainer("uaq.enabled=true", "precision=int8", "train.micro_batch_size=8")
     try:
