@@ -12,15 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-import torch
-import yaml
-
 from qurl_mcore.precision import FP4_FORMATS, PRECISIONS, SCOPES, get_precision, resolve
-from qurl_mcore.rl.losses import AGGREGATIONS, LOSSES
-from qurl_mcore.rl.metrics import KL_ESTIMATORS
+from qurl_mcore.rl import AGGREGATIONS, KL_ESTIMATORS, LOSSES
 from qurl_mcore.tasks import REWARDS
 
-# the choices of the tables (precisions: qurl_mcore/precision.py, losses: qurl_mcore/rl/losses.py, rewards:
+# torch and yaml are imported in the functions that use them: `qurl --help` builds its parser from modules that
+# import this one, and stays fast without them
+
+# the choices of the tables (precisions: qurl_mcore/precision.py, losses: qurl_mcore/rl, rewards:
 # qurl_mcore/tasks/rewards.py), as types the field checks read
 PrecisionName = Literal[tuple(PRECISIONS)]  # type: ignore[valid-type]
 ScopeName = Literal[("auto", *SCOPES)]  # type: ignore[valid-type]
@@ -154,12 +153,16 @@ class Config:
 
     def train_dtype(self, cuda: bool | None = None):
         """The trainer's parameter dtype: `train.dtype`, where auto is bf16 with CUDA and fp32 without."""
+        import torch
+
         cuda = torch.cuda.is_available() if cuda is None else cuda
         name = self.train.dtype if self.train.dtype != "auto" else ("bf16" if cuda else "fp32")
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
     def distributed_optimizer(self, cuda: bool | None = None) -> bool:
         """Whether the trainer shards its optimizer state over data-parallel ranks (auto: on with CUDA)."""
+        import torch
+
         cuda = torch.cuda.is_available() if cuda is None else cuda
         choice = self.train.distributed_optimizer
         return choice is True or (choice == "auto" and cuda)
@@ -167,6 +170,8 @@ class Config:
     def offload_rollout(self, cuda: bool | None = None) -> bool:
         """Whether engines release their GPU memory (weights, KV cache, CUDA graphs) while the trainer steps and
         take it back for the push and the rollout (auto: colocated on GPUs, where the two share each device)."""
+        import torch
+
         cuda = torch.cuda.is_available() if cuda is None else cuda
         choice = self.rollout.offload
         return choice is True or (choice == "auto" and cuda and self.layout == "colocated")
@@ -267,6 +272,8 @@ def _build(cls, data: dict, prefix: str, errors: list[str]):
 
 
 def _apply_override(data: dict, item: str, errors: list[str]) -> None:
+    import yaml
+
     if "=" not in item:
         errors.append(f"override {item!r}: expected key=value, e.g. train.lr=1e-6")
         return
@@ -284,6 +291,8 @@ def _apply_override(data: dict, item: str, errors: list[str]) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults, then the YAML file (if any), then the overrides; raises ConfigError listing every bad field.
     Rules that involve several fields, the model or the cluster are `qurl_mcore.preflight`'s."""
+    import yaml
+
     data: dict = {}
     if path is not None:
         path = Path(path)

@@ -13,10 +13,8 @@ import math
 import torch
 from torch import Tensor
 
+from qurl_mcore.rl import AGGREGATIONS, LOSSES
 from qurl_mcore.rl import metrics as M
-
-LOSSES = ("ppo", "naive", "decoupled", "tis", "mis", "acr", "acr_symmetric")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
 def aggregate(values: Tensor, mask: Tensor, agg: str = "token_mean") -> Tensor:
