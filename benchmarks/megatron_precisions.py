@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from qurl_mcore.megatron.models import gpt_config
+from qurl_mcore.megatron.gpt import gpt_config
 from qurl_mcore.megatron.parallel import destroy_parallel, init_parallel
 from qurl_mcore.megatron.spec import gpt_spec
 from qurl_mcore.models.tiny import tiny_checkpoint

@@ -43,9 +43,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
+from .models import ARCHITECTURES, resolve_model_path
 from .precision import ALIGNMENT_ROWS, FP4_FORMATS, PRECISIONS, get_precision, resolve
 
-if TYPE_CHECKING:  # torch, SGLang and Megatron load only when a measurement runs, not with the CLI parser
+# torch, SGLang, transformers and Megatron-Core (and the parts of qurl_mcore that import them: rollout, rl,
+# megatron, models.tiny) are imported in the functions that measure: the CLI's parser imports this module.
+if TYPE_CHECKING:
     import torch
 
     from .rollout import EngineConfig, Generation
@@ -97,8 +100,6 @@ def default_model() -> Path:
 def is_moe(model_path: str) -> bool:
     """Whether the checkpoint directory holds an MoE (then the routing metrics apply); refuses what the
     trainer cannot build."""
-    from .models import ARCHITECTURES
-
     model_type = json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"{model_path} is a {model_type!r} checkpoint; use one of {list(ARCHITECTURES)}")
@@ -146,7 +147,7 @@ def training_model(precision: str, model_path: str, *, scope: str = "experts", f
     """A Megatron GPTModel of the checkpoint with the trainer side of `precision` (Megatron must be
     initialised)."""
     from .megatron.convert import load_hf_weights
-    from .megatron.models import build_gpt
+    from .megatron.gpt import build_gpt
 
     model = build_gpt(model_path, precision=precision, scope=scope, fmt=fmt)
     load_hf_weights(model, model_path)
@@ -266,8 +267,6 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
 
     All rollouts run first (one engine per distinct rollout method and format), then Megatron scores them
     (one model per distinct trainer side). A dense model's default rows leave out the replay ones."""
-    from .models import resolve_model_path
-
     try:
         model_path = str(default_model() if model_path is None else resolve_model_path(str(model_path)))
     except FileNotFoundError:  # its message names model.path; here the flag is --model

@@ -1,7 +1,17 @@
-"""The `qurl` command line."""
+"""The `qurl` command line.
+
+Each command imports the project's modules inside its own function, so that `qurl --help` and a command's
+parser load neither torch nor Ray nor Megatron-Core (each takes seconds to import).
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
 
 
 def _positive(text: str) -> int:
@@ -37,9 +47,6 @@ def _prepare_models(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import os
-    import shlex
-    import sys
 
     from .config import ConfigError, load_config
     from .loop.outcome import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED, RunFailure
@@ -84,7 +91,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _patch(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from .patching import PatchError, PatchSet
 
@@ -166,7 +172,6 @@ def _add_launch(sub) -> None:
 
 
 def _align(args: argparse.Namespace) -> int:
-    import json
 
     from .align import format_table, run_alignment, stdout_to_stderr
 
@@ -183,9 +188,9 @@ def _align(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
-    from .megatron.export import claim_output, export_checkpoint, unscale_hf_checkpoint
+    from .export import export_checkpoint
+    from .megatron.export import claim_output, unscale_hf_checkpoint
 
     src = Path(args.checkpoint)
     hf_dir = (src / "config.json").is_file() and not (src / "meta.json").is_file()
@@ -207,7 +212,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import json
 
     from .config import ConfigError, load_config
     from .sizing import format_plan, model_config, plan
@@ -239,8 +243,6 @@ def _add_plan(sub) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    import sys
-    from pathlib import Path
 
     from .compare import compare, parse_variant
     from .config import ConfigError
@@ -284,10 +286,6 @@ def _add_compare(sub) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import dataclasses
-    import json
-    import sys
-    from pathlib import Path
 
     from .config import ConfigError, load_config
     from .loop.evaluation import evaluate_model

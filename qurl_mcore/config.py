@@ -13,11 +13,21 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from qurl_mcore.precision import FP4_FORMATS, PRECISIONS, SCOPES, get_precision, resolve
+from qurl_mcore.rl import AGGREGATIONS, KL_ESTIMATORS, LOSSES
+from qurl_mcore.tasks import REWARDS
 
-# the choices of the precision table (qurl_mcore/precision.py), as types the field checks read
+# torch and yaml are imported in the functions that use them: `qurl --help` builds its parser from modules that
+# import this one, and stays fast without them
+
+# the choices of the tables (precisions: qurl_mcore/precision.py, losses: qurl_mcore/rl, rewards:
+# qurl_mcore/tasks/rewards.py), as types the field checks read
 PrecisionName = Literal[tuple(PRECISIONS)]  # type: ignore[valid-type]
 ScopeName = Literal[("auto", *SCOPES)]  # type: ignore[valid-type]
 FP4Format = Literal[FP4_FORMATS]  # type: ignore[valid-type]
+LossName = Literal[LOSSES]  # type: ignore[valid-type]
+Aggregation = Literal[AGGREGATIONS]  # type: ignore[valid-type]
+KLEstimator = Literal[KL_ESTIMATORS]  # type: ignore[valid-type]
+RewardName = Literal[tuple(REWARDS)]  # type: ignore[valid-type]
 
 @dataclass
 class ModelConfig:
@@ -30,7 +40,7 @@ class DataConfig:
     path: str = ""  # .jsonl or .parquet, for task "file"
     prompt_key: str = "question"
     answer_key: str = "answer"
-    reward: Literal["math", "first_number"] = "first_number"
+    reward: RewardName = "first_number"
     system_prompt: str = ""  # prepended to every prompt when set
     prompts_per_step: int = 8
     num_prompts: int = 512  # size of the generated set for task "addition"
@@ -73,13 +83,13 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_size: int = 8
-    loss: Literal["ppo", "naive", "decoupled", "tis", "mis", "acr", "acr_symmetric"] = "acr"
+    loss: LossName = "acr"
     eps_low: float = 0.2
     eps_high: float = 0.2
     tis_cap: float = 2.0
-    agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    agg: Aggregation = "token_mean"
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     advantage: Literal["grpo", "rloo"] = "grpo"
     scale_by_std: bool = True

@@ -10,15 +10,23 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import json
 import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .config import Config
+from .models import ARCHITECTURES, resolve_model_path
 from .models.registry import hf_linears, num_experts
 from .precision import METHODS, PRECISIONS, get_precision, quantized_linears
+from .sglang.kernels import KERNEL_FORMATS
+from .sizing import check_fits, local_gpu, model_config
+from .tasks import addition_examples, load_examples
+
 
 DATA_SAMPLE = 100  # prompt rows read by the check (the run reads them all)
 
@@ -56,8 +64,6 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
     elif d.task == "file" and not Path(d.path).is_file():
         out.problems.append(f"data.path: {d.path} does not exist")
     elif d.task == "file":
-        from .tasks import load_examples
-
         try:  # a sample now; the rollout manager reads every row at start and names any bad one the same way
             load_examples(d.path, prompt_key=d.prompt_key, answer_key=d.answer_key, limit=DATA_SAMPLE)
         except (ValueError, OSError) as err:
@@ -85,8 +91,6 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
     if not use_gpu and cfg.train.dtype == "bf16":
         out.problems.append("train.dtype: bf16 training uses Megatron's mixed-precision optimizer, which needs CUDA "
                             "tensors; on CPUs use fp32 or auto")
-    from .sglang.kernels import KERNEL_FORMATS
-
     precision, _, fmt = cfg.resolved_precision()
     if use_gpu and r.dtype == "float32" and fmt in KERNEL_FORMATS:
         out.problems.append(f"rollout.dtype: float32 engines cannot run SGLang's W8A8 {fmt} kernels (they write "
@@ -117,8 +121,7 @@ def _eval_rules(cfg: Config, out: Preflight) -> None:
     e, d = cfg.eval, cfg.data
     if not e.every:  # off, the other eval.* fields included: eval.every=0 alone turns a config's evaluation off
         return
-    from .loop.evaluation import eval_examples, greedy_repeats
-    from .tasks import addition_examples
+    from .loop.evaluation import eval_examples, greedy_repeats  # loop/ imports this module (the driver checks first)
 
     if greedy_repeats(cfg):
         out.problems.append(greedy_repeats(cfg))
@@ -152,10 +155,6 @@ def _unwritable(path: Path) -> str | None:
 
 
 def _model_config(cfg: Config, out: Preflight) -> tuple[str, dict[str, Any]] | None:
-    import json
-
-    from .models import ARCHITECTURES, resolve_model_path
-
     try:
         path = resolve_model_path(cfg.model.path)
         hf = json.loads((path / "config.json").read_text())
@@ -176,8 +175,6 @@ def _model_config(cfg: Config, out: Preflight) -> tuple[str, dict[str, Any]] | N
 def _model_card(cfg: Config, out: Preflight) -> tuple[str, dict[str, Any]] | None:
     """When the check plans for a named GPU (a cluster) and model.path is not on this machine: the shape from
     the architecture card of its basename, the missing path becoming a note instead of a problem."""
-    from .sizing import model_config
-
     try:
         hf, source = model_config(cfg.model.path)
     except ValueError:
@@ -213,8 +210,6 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
 def _memory_plan(cfg: Config, hf: dict[str, Any], out: Preflight, gpu: str | None) -> None:
     """On GPUs: the run's bytes per GPU (`qurl plan`, sizing.py) on `gpu` (default: this machine's kind of
     GPU); a plan that does not fit is refused, each problem naming its lever."""
-    from .sizing import check_fits, local_gpu
-
     gpu = gpu or local_gpu()
     if gpu is None:
         out.summary.append("  memory      not planned: no GPU of the planner's table here (qurl plan --gpu ...)")
@@ -230,7 +225,7 @@ def _memory_plan(cfg: Config, hf: dict[str, Any], out: Preflight, gpu: str | Non
 
 
 def _placement(cfg: Config, use_gpu: bool, out: Preflight, local: bool) -> None:
-    from .loop.actors import placement_of, unplaceable
+    from .loop.actors import placement_of, unplaceable  # loop/ imports this module (the driver checks first)
 
     try:
         placement = placement_of(cfg, use_gpu)
@@ -238,8 +233,6 @@ def _placement(cfg: Config, use_gpu: bool, out: Preflight, local: bool) -> None:
         out.problems.append(str(err))
         return
     if local:  # `qurl train` starts a one-node Ray cluster of this machine's devices
-        import torch
-
         present = {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
         problem = unplaceable(placement, present, "this machine")
         if problem:
@@ -262,8 +255,6 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
     if use_gpu is None and gpu is not None:
         use_gpu = True
     if use_gpu is None:
-        import torch
-
         use_gpu = torch.cuda.is_available()
     precision, scope, fmt = cfg.resolved_precision()
     _field_rules(cfg, out, use_gpu)

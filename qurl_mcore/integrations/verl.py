@@ -25,7 +25,7 @@ from verl.trainer.ppo.core_algos import register_policy_loss
 
 from qurl_mcore.rl.losses import aggregation_units, policy_loss
 
-METHODS = ("acr", "acr_symmetric")
+REGISTERED_LOSSES = ("acr", "acr_symmetric")
 
 # verl's loss_agg_mode -> (our aggregation, the `global_batch_info` entry verl normalises that mode by).
 # 'token-sum' and 'seq-mean-token-sum-norm' have no counterpart in qurl_mcore.rl.losses.AGGREGATIONS.
@@ -93,5 +93,5 @@ def _clip_options(config: Any) -> dict[str, float]:
     return options
 
 
-for _method in METHODS:
+for _method in REGISTERED_LOSSES:
     register_policy_loss(_method)(partial(verl_policy_loss, method=_method))

@@ -133,13 +133,13 @@ def start_actors(cfg: Config, model_path: str, stop=None) -> tuple[TrainerGroup,
     GPUs no trainer has touched yet, and give their memory back before the trainers start (the first push
     takes it again).
     A placement the cluster cannot hold is refused at once (ValueError naming what is missing); one it can
-    hold but not yet is waited for, as long as `stop` (a checkpoint.StopRequest) is not requested."""
+    hold but not yet is waited for, as long as `stop` (an outcome.StopRequest) is not requested."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from .groups import Rollouts, TrainerGroup
-    from .rollout import EngineHost, RolloutManager, engine_config, reference_engine_config
+    from .sampler import EngineHost, RolloutManager, engine_config, reference_engine_config
     from .trainer import PolicyTrainer
 
     resources = ray.cluster_resources()

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
+from qurl_mcore import checkpoint as ckpt
 from qurl_mcore.config import Config, ConfigError, to_dict
 from qurl_mcore.rl.advantages import dynamic_sampling_mask, grpo_advantages, rloo_advantages
 
-from . import checkpoint as ckpt
 from .batch import Sample, collate
 from .outcome import RunFailure
 from .report import write_report
@@ -78,7 +78,7 @@ class Loop:
         from qurl_mcore.models import resolve_model_path
 
         from .actors import start_actors
-        from .rollout import EngineFailure
+        from .sampler import EngineFailure
 
         self.cfg = cfg
         self.ray = ray
@@ -131,7 +131,7 @@ class Loop:
     def recovering(self, action, version: str):
         """`action()`, retried after restarting a failed engine and loading it with the trainer's current
         weights (tagged `version`), at most `rollout.restart_attempts` times."""
-        from .rollout import EngineFailure
+        from .sampler import EngineFailure
 
         attempts = self.cfg.rollout.restart_attempts
         for attempt in range(attempts + 1):
@@ -299,7 +299,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     from qurl_mcore.preflight import preflight
     from qurl_mcore.runlock import lock_dirs
 
-    from .checkpoint import StopRequest
+    from .outcome import StopRequest
     from .tracking import warnings_to_file
 
     address = address or os.environ.get("RAY_ADDRESS")  # an existing cluster brings its own node tags

@@ -112,7 +112,7 @@ def evaluate_model(cfg: Config, model_path: str, startup_timeout: float = 600.0)
     from qurl_mcore.models import resolve_model_path
     from qurl_mcore.tasks import REWARDS
 
-    from .rollout import EngineHost, chat_ids, engine_config, load_prompt_set
+    from .sampler import EngineHost, chat_ids, engine_config, load_prompt_set
 
     if greedy_repeats(cfg):
         raise ValueError(greedy_repeats(cfg))

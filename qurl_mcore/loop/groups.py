@@ -18,7 +18,7 @@ import ray
 
 from .batch import Sample, TrainBatch
 from .outcome import RunFailure
-from .rollout import EngineFailure
+from .sampler import EngineFailure
 
 #: seconds a closing actor gets to stop what it runs before it is killed
 CLOSE_TIMEOUT_S = 120

@@ -1,4 +1,5 @@
-"""How a run ends, for people and for schedulers: `qurl train`'s exit codes and the failure that ends a run.
+"""How a run ends, for people and for schedulers: `qurl train`'s exit codes, the failure that ends a run, and
+the stop request a signal turns into.
 
   0   EXIT_FINISHED    every step done, final checkpoint written
   1   EXIT_FAILED      an actor failed (RunFailure names it); the last checkpoint stays for a resume
@@ -7,6 +8,8 @@
                        (75 is sysexits' EX_TEMPFAIL, "try again later")
 """
 from __future__ import annotations
+
+import signal
 
 EXIT_FINISHED = 0
 EXIT_FAILED = 1
@@ -17,3 +20,21 @@ EXIT_STOPPED = 75
 class RunFailure(RuntimeError):
     """The run cannot go on (a trainer rank or the rollout manager failed, an engine never started or keeps
     failing, the cluster never placed the run): the message names the actor and the cause."""
+
+
+class StopRequest:
+    """Turns SIGTERM (Slurm preemption, the job script's time-limit warning) and SIGINT (Ctrl-C) into a flag
+    the loop checks between steps and while it waits, so it checkpoints and exits instead of dying mid-step.
+    A second SIGINT interrupts at once (KeyboardInterrupt)."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.requested = False
+        self.signal_name = ""
+        for sig in signals:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name

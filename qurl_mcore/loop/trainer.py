@@ -31,17 +31,28 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 
+from qurl_mcore import checkpoint as ckpt
 from qurl_mcore.config import Config
 from qurl_mcore.models import resolve_model_path
+from qurl_mcore.models.registry import num_experts
+from qurl_mcore.precision import quantizes, rollout_spec
 from qurl_mcore.rl.losses import aggregation_units, policy_loss
-from qurl_mcore.transfer import bind_gloo_towards
+from qurl_mcore.rollout import HttpEngine, WeightPushError, WeightSpecError
+from qurl_mcore.rollout.broadcast import broadcast_weights, close_weight_group, open_weight_group
+from qurl_mcore.transfer import bind_gloo_towards, free_port
+from qurl_mcore.uaq import update_capture_ratio
 
-from . import checkpoint as ckpt
 from .batch import TrainBatch
+from .sampler import EngineFailure, engine_config, reference_engine_config
 from .tracking import redirect_output
+
+# Megatron-Core (and qurl_mcore.megatron, which imports it) is imported in the methods that use it: the driver
+# imports this module to create the actors and never loads Megatron, and in an actor Megatron's import-time
+# warnings go to the rank's log, which __init__ opens first.
 
 
 class PolicyTrainer:
@@ -54,7 +65,7 @@ class PolicyTrainer:
         if log_file:  # an actor of a run: its output (Megatron's warnings included) goes to the run's logs
             redirect_output(log_file)
         from qurl_mcore.megatron import apply_uaq, build_gpt, init_parallel, load_hf_weights
-        from qurl_mcore.megatron.models import load_hf_config
+        from qurl_mcore.megatron.gpt import load_hf_config
         from qurl_mcore.megatron.parallel import current_device
         from qurl_mcore.megatron.training import build_training
 
@@ -84,8 +95,6 @@ class PolicyTrainer:
             # the rollout's quantization step (QuRL §4.3); the function computed is unchanged
             apply_uaq(self.model, cfg.uaq.scale)
         from qurl_mcore.megatron.replay import RoutingTaps
-        from qurl_mcore.models.registry import num_experts
-
         self.moe = num_experts(self.hf) > 0
         self.taps = RoutingTaps(self.model)  # none in a dense model (or a pipeline stage without MoE layers)
         self.agreement: torch.Tensor | None = None  # routing agreement sums of this step (replay.py)
@@ -308,8 +317,6 @@ class PolicyTrainer:
     def _capture_before(self):
         """The rollout codes' inputs before the update: the weights of the linears the engines quantize."""
         from qurl_mcore.megatron import linear_group, quantized_weights
-        from qurl_mcore.precision import quantizes, rollout_spec
-
         precision, scope, fmt = self.cfg.resolved_precision()
         if precision.rollout is None or not self.cfg.logging.update_capture:
             return None
@@ -319,8 +326,6 @@ class PolicyTrainer:
     def _capture_after(self, capture) -> float:
         """Share of rollout-quantized weight codes this update changed (this rank's shards)."""
         from qurl_mcore.megatron import quantized_weights
-        from qurl_mcore.uaq import update_capture_ratio
-
         spec, before = capture
         after = quantized_weights(self.model, lambda name: name in before)
         return update_capture_ratio(before, after, spec.fmt, spec.weight_granularity)
@@ -339,10 +344,6 @@ class PolicyTrainer:
         """Attach to the engines this rank pushes to, given every engine's (url, api key) in engine order:
         colocated, rank i pushes to engine i (they share a node: tensors travel by shared memory or CUDA
         IPC); disaggregated, rank 0 pushes to every engine by broadcast. Called again after a restart."""
-        from qurl_mcore.rollout import HttpEngine
-
-        from .rollout import engine_config
-
         if self.cfg.layout == "colocated":
             self.engine_ids = [self.rank] if self.rank < len(endpoints) else []
         else:
@@ -353,19 +354,12 @@ class PolicyTrainer:
     def open_weight_group(self, group_name: str, backend: str, timeout: float) -> str:
         """Rank 0, disaggregated: a weight group with every engine's TP ranks, hosted on this node (blocks
         until every engine joined). Returns the rendezvous address."""
-        import ray
-
-        from qurl_mcore.rollout.broadcast import open_weight_group
-        from qurl_mcore.transfer import free_port
-
         addr = ray.util.get_node_ip_address()
         port = free_port(addr)
         self.sender = open_weight_group(self.engines, addr, port, group_name, backend, timeout)
         return f"{addr}:{port}"
 
     def close_weight_group(self) -> None:
-        from qurl_mcore.rollout.broadcast import close_weight_group
-
         if self.sender is not None:
             close_weight_group(self.sender, self.engines)
             self.sender = None
@@ -391,11 +385,6 @@ class PolicyTrainer:
         given), one bucket at a time (`_weight_stream`). Collective: every rank iterates the whole export, also
         after its own engine failed. Returns the seconds taken; raises EngineFailure naming the engine that
         failed."""
-        from qurl_mcore.rollout.broadcast import broadcast_weights
-        from qurl_mcore.rollout.engine import WeightPushError, WeightSpecError
-
-        from .rollout import EngineFailure
-
         start = time.perf_counter()
         targets = [k for k, i in enumerate(self.engine_ids) if only is None or i in only]
         failure: Exception | None = None
@@ -420,10 +409,6 @@ class PolicyTrainer:
         """Collective, like `push_weights`: the weights, as weight `version`, to the BF16 reference engine at
         `endpoint` (eval.bf16_reference; it shares rank 0's bundle, and rank 0 sends). Returns the seconds
         taken; raises EngineFailure naming it (engine number rollout.engines) when the push fails."""
-        from qurl_mcore.rollout import HttpEngine, WeightSpecError
-
-        from .rollout import EngineFailure, reference_engine_config
-
         start = time.perf_counter()
         with self._weight_stream() as stream:
             try:

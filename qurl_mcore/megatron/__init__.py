@@ -4,10 +4,10 @@ from .convert import export_hf_weights, load_hf_weights, read_hf_state
 from .cpu_compat import apply_cpu_compat
 from .layers import QuantColumnParallelLinear, QuantRowParallelLinear, SequenceParallelNorm
 from .logprobs import TokenLogProbs, token_logprobs
-from .models import build_gpt, gpt_config
+from .gpt import build_gpt, gpt_config
 from .parallel import destroy_parallel, init_parallel, spawn
 from .spec import gpt_spec, linear_group, quantized_linears
-from .uaq import apply_uaq, quantized_weights, update_capture
+from .rescaling import apply_uaq, quantized_weights, update_capture
 
 __all__ = [
     "QuantColumnParallelLinear", "QuantRowParallelLinear",

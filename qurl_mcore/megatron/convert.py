@@ -25,7 +25,7 @@ from qurl_mcore.models.slots import Slot, pattern
 from qurl_mcore.transfer import buckets, dtype_name
 from qurl_mcore.uaq import uaq_scale_hf
 
-from .models import load_hf_config
+from .gpt import load_hf_config
 
 
 # ---- layouts: merge/split between HF tensors and Megatron's full tensor; shard/unshard over TP ----------

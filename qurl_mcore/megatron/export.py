@@ -6,9 +6,6 @@ streams: rank 0 writes each bucket to a file of its own as soon as it is gathere
 rescaling the trainer trains in is undone on the way out (s⁻¹ per tensor, `qurl_mcore.uaq`), so the exported
 weights compute the function of the model as trained, in its usual parameterisation.
 
-`export_checkpoint` does the same from a run's checkpoint directory, on the CPU, in as many processes as the
-run had trainer ranks (each loads its own file).
-
 `unscale_hf_checkpoint` undoes UAQ in an HF checkpoint written by someone else's loop from a UAQ-scaled model
 (slime's `--save-hf` of a run with `uaq_hook`, docs/integrations.md), which records no UAQ factor itself.
 """
@@ -20,6 +17,13 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from qurl_mcore.models.registry import hf_uaq_role
+from qurl_mcore.uaq import uaq_scale_hf
+
+from .convert import export_hf_weights
 
 #: files of the source checkpoint that describe the model rather than hold its weights
 _MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -117,11 +121,6 @@ def write_hf_checkpoint(model, source_dir: str | Path, out_dir: str | Path, *, u
     """Write `model` (this rank's shards; every rank calls this) as an HF checkpoint in `out_dir`, with the
     config and tokenizer of `source_dir`, the checkpoint it was loaded from. `uaq_scale`: the s the model is
     UAQ-scaled by, undone on export. Returns `out_dir` on rank 0, None on the others."""
-    import torch.distributed as dist
-    from safetensors.torch import save_file
-
-    from .convert import export_hf_weights
-
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(out_dir)
     partial = _fresh_partial(out) if rank0 else None
@@ -152,11 +151,6 @@ def unscale_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, uaq_scale: fl
     `out_dir` in the model's usual one: each tensor times s^-k, k its role's exponent
     (`qurl_mcore.uaq.uaq_scale_hf` with 1/s), computed in fp32 and stored in the tensor's own dtype. One
     safetensors file at a time; every other file is copied; `out_dir` appears whole or not at all."""
-    from safetensors.torch import load_file, save_file
-
-    from qurl_mcore.models.registry import hf_uaq_role
-    from qurl_mcore.uaq import uaq_scale_hf
-
     src, out = Path(hf_dir), Path(out_dir)
     if not uaq_scale > 0:
         raise ValueError(f"--uaq-scale {uaq_scale}: the UAQ factor s is positive (the run's qurl_uaq_scale, e.g. 1.5)")
@@ -181,49 +175,3 @@ def unscale_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, uaq_scale: fl
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy(f, partial / f.name)
     return _commit(partial, out)
-
-
-def _export_rank(rank: int, checkpoint_dir: str, out_dir: str, dtype: str) -> str | None:
-    """One trainer rank of the run that wrote `checkpoint_dir`, rebuilt on the CPU to export it."""
-    from qurl_mcore.config import flatten, load_config
-    from qurl_mcore.loop.checkpoint import rank_file, read_file, read_meta
-    from qurl_mcore.models import resolve_model_path
-
-    from .models import build_gpt
-    from .parallel import destroy_parallel, init_parallel
-
-    meta = read_meta(checkpoint_dir)
-    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in flatten(meta["config"]).items()])
-    init_parallel(cfg.train.tp_size, cfg.train.ep_size, pipeline_parallel=cfg.train.pp_size, rank=rank,
-                  world_size=meta["world_size"])
-    try:
-        source = resolve_model_path(cfg.model.path)
-        model = build_gpt(source)  # the stock linears: the parameters are the same whatever the precision
-        state = read_file(checkpoint_dir, rank_file(rank))["model"]
-        model.load_state_dict({k: v for k, v in state.items() if not k.endswith("._extra_state")})
-        out = write_hf_checkpoint(model, source, out_dir, uaq_scale=cfg.uaq.scale if cfg.uaq.enabled else None,
-                                  dtype=getattr(torch, dtype))
-        return None if out is None else str(out)
-    finally:
-        destroy_parallel()
-
-
-def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
-    """Export a run's checkpoint (a `step_N` directory, or a checkpoint.dir whose newest valid one is taken)
-    as an HF checkpoint in `out_dir`."""
-    from qurl_mcore.loop.checkpoint import latest_valid, read_meta, verify
-
-    from .parallel import spawn
-
-    path = Path(checkpoint_dir)
-    if not (path / "meta.json").is_file():
-        found, damaged = latest_valid(path)
-        if found is None:
-            raise FileNotFoundError(f"{checkpoint_dir}: no valid checkpoint there"
-                                    + (f" ({damaged[0][0].name}: {damaged[0][1]})" if damaged else ""))
-        path = found
-    problem = verify(path)
-    if problem:
-        raise ValueError(f"{path}: {problem}")
-    results = spawn(_export_rank, read_meta(path)["world_size"], str(path), str(out_dir), dtype)
-    return Path(results[0])

@@ -13,10 +13,8 @@ import math
 import torch
 from torch import Tensor
 
+from qurl_mcore.rl import AGGREGATIONS, LOSSES
 from qurl_mcore.rl import metrics as M
-
-METHODS = ("ppo", "naive", "decoupled", "tis", "mis", "acr", "acr_symmetric")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
 def aggregate(values: Tensor, mask: Tensor, agg: str = "token_mean") -> Tensor:
@@ -187,8 +185,8 @@ def _check_options(
     entropy: Tensor | None,
     entropy_coef: float,
 ) -> None:
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
+    if method not in LOSSES:
+        raise ValueError(f"unknown method {method!r}; use one of {LOSSES}")
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown agg {agg!r}; use one of {AGGREGATIONS}")
     if kl_estimator not in M.KL_ESTIMATORS:

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-KL_ESTIMATORS = ("k1", "k3")
+from qurl_mcore.rl import KL_ESTIMATORS
 
 
 def as_bool_mask(mask: Tensor, shape: torch.Size) -> Tensor:

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from qurl_mcore.transfer import NamedTensor, buckets, dtype_name
 
-from .config import EngineConfig
+from .engine_config import EngineConfig
 from .results import Generation, parse_batch
 
 #: default push bucket: 512 MiB bounds the extra memory of one push on both sides

@@ -17,7 +17,7 @@ import time
 
 from qurl_mcore.transfer import free_port
 
-from .config import EngineConfig
+from .engine_config import EngineConfig
 from .engine import RolloutEngine
 
 

@@ -21,7 +21,7 @@ def register() -> None:
     from qurl_mcore.transfer import bind_stores_to_their_address
 
     from . import cpu, session
-    from .config import CONFIGS
+    from .quant_config import CONFIGS
 
     cpu.register()
     session.register()  # an SGLang without weight-update sessions (0.5.15): each update call becomes one

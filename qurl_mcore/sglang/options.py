@@ -33,7 +33,7 @@ from qurl_mcore.precision import METHODS, SCOPES, default_scope, rollout_spec
 from qurl_mcore.quant import quantize_weight, quantize_weight_compiled
 
 KERNELS = ("auto", "qurl")
-#: a file every engine process appends the HF names of the linears it quantized to (sglang/config.py)
+#: a file every engine process appends the HF names of the linears it quantized to (sglang/quant_config.py)
 QUANTIZED_LOG_ENV = "QURL_QUANTIZED_LOG"
 MASTERS = ("host", "device")
 #: how an engine re-quantizes pushed weights: the quantizer each name calls

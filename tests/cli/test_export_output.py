@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qurl_mcore.cli import main
-from qurl_mcore.loop.checkpoint import finalize, verify, write_file
+from qurl_mcore.checkpoint import finalize, verify, write_file
 
 
 def _checkpoint(root, step=1):

@@ -239,7 +239,7 @@ def test_missing_rollout_logprobs_are_named():
 def _model_args(path, precision, **over) -> Namespace:
     """The arguments slime's default provider hands GPTModel (model_provider.py:200-214), for checkpoint `path`,
     plus our YAML keys."""
-    from qurl_mcore.megatron.models import load_hf_config, rope_theta
+    from qurl_mcore.megatron.gpt import load_hf_config, rope_theta
     from qurl_mcore.precision import get_precision
 
     hf = load_hf_config(path)
@@ -254,7 +254,7 @@ def _model_args(path, precision, **over) -> Namespace:
 
 def _build(path, precision, **config_over):
     from qurl_mcore.megatron.convert import load_hf_weights
-    from qurl_mcore.megatron.models import gpt_config
+    from qurl_mcore.megatron.gpt import gpt_config
 
     model = S.gpt_model(_model_args(path, precision), gpt_config(path, **config_over))
     load_hf_weights(model, path)
@@ -266,7 +266,7 @@ def test_provider_builds_our_trainer_model(megatron_ws1):
     computes what our own loop's build_gpt model computes, logits and gradients, on the CPU."""
     from qurl_mcore.megatron.convert import load_hf_weights
     from qurl_mcore.megatron.layers import QuantColumnParallelLinear, QuantRowParallelLinear
-    from qurl_mcore.megatron.models import build_gpt
+    from qurl_mcore.megatron.gpt import build_gpt
     from qurl_mcore.models.tiny import tiny_checkpoint
 
     path = tiny_checkpoint("qwen3_moe")

@@ -17,7 +17,7 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl.workers.config import FSDPActorConfig, HFModelConfig, PolicyLossConfig, RolloutConfig
 
-from qurl_mcore.integrations.verl import AGG_MODES, METHODS
+from qurl_mcore.integrations.verl import AGG_MODES, REGISTERED_LOSSES
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.rl.losses import policy_loss
 
@@ -84,7 +84,7 @@ def take(b: dict, part: slice) -> dict:
 
 
 @pytest.mark.parametrize("mode", list(SAME_REDUCTION))
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", REGISTERED_LOSSES)
 def test_registered_loss_is_policy_loss(method, mode):
     b = batch()
     loss, grad = verl_loss(method, b, actor_config(mode, method))
@@ -158,11 +158,11 @@ def tiny_llama() -> str:
 def test_external_lib_registers_the_losses(monkeypatch, tiny_llama):
     """`actor_rollout_ref.model.external_lib` is imported by verl's HFModelConfig, which the actor worker builds
     before its loss (verl/workers/engine_workers.py:540, verl/workers/config/model.py:149)."""
-    for method in METHODS:
+    for method in REGISTERED_LOSSES:
         monkeypatch.delitem(core_algos.POLICY_LOSS_REGISTRY, method)
     monkeypatch.delitem(sys.modules, "qurl_mcore.integrations.verl")
     HFModelConfig(path=tiny_llama, external_lib="qurl_mcore.integrations.verl")
-    assert set(METHODS) <= set(core_algos.POLICY_LOSS_REGISTRY)
+    assert set(REGISTERED_LOSSES) <= set(core_algos.POLICY_LOSS_REGISTRY)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_rollout_engine_kwargs_reach_sglang_server_args(monkeypatch, tiny_llama,
     from sglang.srt.layers import quantization
     from verl.utils.device import get_visible_devices_keyword
 
-    from qurl_mcore.sglang.config import CONFIGS
+    from qurl_mcore.sglang.quant_config import CONFIGS
     from qurl_mcore.sglang.options import QurlOptions
 
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qurl_mcore.loop.checkpoint import latest_checkpoint, read_meta
+from qurl_mcore.checkpoint import latest_checkpoint, read_meta
 from qurl_mcore.slurm import SlurmJob, render, submit
 from tests.launch.test_slurm_job import _job_fields, _wait_for
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qurl_mcore.loop.checkpoint import latest_checkpoint, read_file, read_meta
+from qurl_mcore.checkpoint import latest_checkpoint, read_file, read_meta
 from qurl_mcore.loop.report import PANELS
 
 TINY = ["data.prompts_per_step=2", "data.num_prompts=16", "rollout.samples_per_prompt=2",

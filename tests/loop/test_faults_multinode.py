@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from qurl_mcore.loop.checkpoint import latest_checkpoint
+from qurl_mcore.checkpoint import latest_checkpoint
 from qurl_mcore.rollout.broadcast import _together
 from qurl_mcore.rollout.engine import WeightPushError
 from tests.loop.test_e2e import _command, _metrics

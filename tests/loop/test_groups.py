@@ -14,7 +14,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 from qurl_mcore.loop.batch import Sample, collate
 from qurl_mcore.loop.groups import Rollouts, TrainerGroup
 from qurl_mcore.loop.outcome import RunFailure
-from qurl_mcore.loop.rollout import EngineFailure, EngineHost, RolloutManager
+from qurl_mcore.loop.sampler import EngineFailure, EngineHost, RolloutManager
 from qurl_mcore.loop.trainer import PolicyTrainer
 
 LOGS = "runs/x/logs"

@@ -188,7 +188,7 @@ class _RecordingEngine(RolloutEngine):
 def test_push_streams_one_bucket_at_a_time():
     """The push never holds the model: when bucket k reaches the engine, no tensor of buckets < k is alive
     (before, the trainer staged the whole export, list(export_hf_weights(...)))."""
-    from qurl_mcore.loop.rollout import engine_config
+    from qurl_mcore.loop.sampler import engine_config
 
     trainer = _trainer("rollout.push_bucket_mb=1")
     try:
@@ -207,7 +207,7 @@ def test_export_of_a_trained_checkpoint_loads_in_transformers_with_the_same_logi
     from transformers import AutoModelForCausalLM
 
     from qurl_mcore.cli import main
-    from qurl_mcore.loop.checkpoint import finalize
+    from qurl_mcore.checkpoint import finalize
 
     trainer = _trainer("uaq.enabled=true", "precision=int8", "train.micro_batch_size=8")
     try:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig
 
 from qurl_mcore.megatron.convert import export_hf_weights, load_hf_weights, read_hf_state
-from qurl_mcore.megatron.models import build_gpt
+from qurl_mcore.megatron.gpt import build_gpt
 from qurl_mcore.megatron.spec import linear_group
 from qurl_mcore.models import llama, registry
 from qurl_mcore.models.slots import Architecture, Slot

@@ -5,7 +5,7 @@ from transformers import AutoConfig
 from qurl_mcore.megatron.convert import (
     export_hf_weights, load_hf_weights, merge, read_hf_state, shard, split, unshard,
 )
-from qurl_mcore.megatron.models import build_gpt
+from qurl_mcore.megatron.gpt import build_gpt
 from qurl_mcore.models.registry import features, slots
 from qurl_mcore.models.smollm2 import hf_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint

@@ -3,7 +3,7 @@ import torch
 
 from qurl_mcore.megatron.convert import load_hf_weights
 from qurl_mcore.megatron.logprobs import attention_mask_for, token_logprobs
-from qurl_mcore.megatron.models import build_gpt
+from qurl_mcore.megatron.gpt import build_gpt
 from qurl_mcore.models.tiny import tiny_checkpoint
 
 from .helpers import hf_logprobs, hf_routes, random_ids

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from qurl_mcore.megatron.layers import QuantColumnParallelLinear, QuantRowParallelLinear
-from qurl_mcore.megatron.models import build_gpt, gpt_config
+from qurl_mcore.megatron.gpt import build_gpt, gpt_config
 from qurl_mcore.megatron.spec import gpt_spec, linear_group
 from qurl_mcore.precision import train_spec
 from qurl_mcore.models.tiny import tiny_checkpoint

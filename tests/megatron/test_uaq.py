@@ -3,8 +3,8 @@ import torch
 
 from qurl_mcore.megatron.convert import load_hf_weights, read_hf_state
 from qurl_mcore.megatron.logprobs import token_logprobs
-from qurl_mcore.megatron.models import build_gpt
-from qurl_mcore.megatron.uaq import apply_uaq, quantized_weights, update_capture
+from qurl_mcore.megatron.gpt import build_gpt
+from qurl_mcore.megatron.rescaling import apply_uaq, quantized_weights, update_capture
 from qurl_mcore.models.registry import hf_uaq_role
 from qurl_mcore.models.smollm2 import hf_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint

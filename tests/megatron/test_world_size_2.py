@@ -5,7 +5,7 @@ import torch
 
 from qurl_mcore.megatron.convert import load_hf_weights
 from qurl_mcore.megatron.logprobs import token_logprobs
-from qurl_mcore.megatron.models import build_gpt
+from qurl_mcore.megatron.gpt import build_gpt
 from qurl_mcore.megatron.parallel import spawn
 from qurl_mcore.models.tiny import tiny_checkpoint
 

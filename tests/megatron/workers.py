@@ -8,9 +8,9 @@ import torch.distributed as dist
 
 from qurl_mcore.megatron.convert import export_hf_weights, load_hf_weights, read_hf_state
 from qurl_mcore.megatron.logprobs import token_logprobs
-from qurl_mcore.megatron.models import build_gpt, gpt_config
+from qurl_mcore.megatron.gpt import build_gpt, gpt_config
 from qurl_mcore.megatron.parallel import init_parallel
-from qurl_mcore.megatron.uaq import apply_uaq
+from qurl_mcore.megatron.rescaling import apply_uaq
 
 
 def _gather(t: torch.Tensor, dim: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from qurl_mcore.rl.losses import METHODS, aggregate, policy_loss
+from qurl_mcore.rl.losses import LOSSES, aggregate, policy_loss
 
 # Expected values below are worked out by hand from the probabilities, with eps_low = eps_high = 0.2 unless a case
 # says otherwise. Each row: probabilities (π_θ, π_prox, π_behav) of one token, advantage, keyword overrides,
@@ -93,7 +93,7 @@ def test_hand_computed_single_token(method, probs, adv, kw, want_loss, want_grad
 
 def test_every_method_has_hand_cases_for_both_advantage_signs():
     covered = {(m, a) for m, _, a, *_ in HAND_CASES}
-    assert covered == {(m, a) for m in METHODS for a in (+1, -1)}
+    assert covered == {(m, a) for m in LOSSES for a in (+1, -1)}
 
 
 def test_mis_keeps_dropped_tokens_in_the_normaliser():
@@ -354,7 +354,7 @@ def test_acr_cap_floor_when_r_is_large():
 @settings(max_examples=60, deadline=None)
 @given(
     d=batches(),
-    method=st.sampled_from(METHODS),
+    method=st.sampled_from(LOSSES),
     garbage=st.sampled_from([math.nan, math.inf, -math.inf, 1e30, -1e30, 7.0]),
     per_sequence_adv=st.booleans(),
 )

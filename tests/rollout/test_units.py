@@ -49,7 +49,7 @@ def test_an_api_key_that_reads_as_an_option_is_refused_before_a_server_starts():
     option (the server then exits with a usage error; one in 64 URL-safe keys did). The loop's keys are hex."""
     import string
 
-    from qurl_mcore.loop.rollout import new_api_key
+    from qurl_mcore.loop.sampler import new_api_key
     from qurl_mcore.rollout.http import HttpEngine
 
     with pytest.raises(ValueError, match="must not begin with '-'"):
@@ -94,7 +94,7 @@ def test_a_request_the_scheduler_aborts_names_that_prompt():
 def test_a_refused_request_is_no_engine_failure_to_restart():
     """The rollout manager passes a refusal through (the driver ends the run naming it) instead of an
     EngineFailure, which would restart the engine and retry the same prompt."""
-    from qurl_mcore.loop.rollout import EngineFailure, RolloutManager
+    from qurl_mcore.loop.sampler import EngineFailure, RolloutManager
     from qurl_mcore.rollout.results import RequestRefused
 
     import ray

@@ -1,14 +1,12 @@
 """Atomic checkpoints and RNG capture."""
-import os
 import random
-import signal
 
 import numpy as np
 import pytest
 import torch
 
-from qurl_mcore.loop.checkpoint import (
-    StopRequest, finalize, latest_checkpoint, latest_valid, list_checkpoints, read_file, read_meta, rng_state,
+from qurl_mcore.checkpoint import (
+    finalize, latest_checkpoint, latest_valid, list_checkpoints, read_file, read_meta, rng_state,
     set_rng_state, verify, write_file,
 )
 
@@ -79,14 +77,3 @@ def test_rng_state_round_trip():
     set_rng_state(state)
     b = (random.random(), np.random.rand(), torch.rand(2))
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
-
-
-def test_sigterm_becomes_a_flag():
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        stop = StopRequest()
-        assert not stop.requested
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert stop.requested and stop.signal_name == "SIGTERM"
-    finally:
-        signal.signal(signal.SIGTERM, previous)

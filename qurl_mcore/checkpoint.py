@@ -19,7 +19,6 @@ import os
 import random
 import re
 import shutil
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -165,21 +164,3 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-
-
-class StopRequest:
-    """Turns SIGTERM (Slurm preemption, the job script's time-limit warning) and SIGINT (Ctrl-C) into a flag
-    the loop checks between steps and while it waits, so it checkpoints and exits instead of dying mid-step.
-    A second SIGINT interrupts at once (KeyboardInterrupt)."""
-
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
-        self.requested = False
-        self.signal_name = ""
-        for sig in signals:
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, _frame) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.signal_name = signal.Signals(signum).name

@@ -1,0 +1,55 @@
+"""`qurl export`: a run's checkpoint out of the project as an HF checkpoint directory that transformers and
+SGLang load as they load the model it was trained from.
+
+Each trainer rank of the run is rebuilt on the CPU, in a process of its own, from the run's config (recorded in
+the checkpoint's meta.json) and its own checkpoint file; together they write the model with
+`qurl_mcore.megatron.export.write_hf_checkpoint`, which undoes the run's UAQ rescaling.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from qurl_mcore.checkpoint import latest_valid, rank_file, read_file, read_meta, verify
+from qurl_mcore.config import flatten, load_config
+from qurl_mcore.megatron.export import write_hf_checkpoint
+from qurl_mcore.megatron.gpt import build_gpt
+from qurl_mcore.megatron.parallel import destroy_parallel, init_parallel, spawn
+from qurl_mcore.models import resolve_model_path
+
+
+def _export_rank(rank: int, checkpoint_dir: str, out_dir: str, dtype: str) -> str | None:
+    """One trainer rank of the run that wrote `checkpoint_dir`, rebuilt on the CPU to export it."""
+    meta = read_meta(checkpoint_dir)
+    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in flatten(meta["config"]).items()])
+    init_parallel(cfg.train.tp_size, cfg.train.ep_size, pipeline_parallel=cfg.train.pp_size, rank=rank,
+                  world_size=meta["world_size"])
+    try:
+        source = resolve_model_path(cfg.model.path)
+        model = build_gpt(source)  # the stock linears: the parameters are the same whatever the precision
+        state = read_file(checkpoint_dir, rank_file(rank))["model"]
+        model.load_state_dict({k: v for k, v in state.items() if not k.endswith("._extra_state")})
+        out = write_hf_checkpoint(model, source, out_dir, uaq_scale=cfg.uaq.scale if cfg.uaq.enabled else None,
+                                  dtype=getattr(torch, dtype))
+        return None if out is None else str(out)
+    finally:
+        destroy_parallel()
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Export a run's checkpoint (a `step_N` directory, or a checkpoint.dir whose newest valid one is taken)
+    as an HF checkpoint in `out_dir`."""
+    path = Path(checkpoint_dir)
+    if not (path / "meta.json").is_file():
+        found, damaged = latest_valid(path)
+        if found is None:
+            raise FileNotFoundError(f"{checkpoint_dir}: no valid checkpoint there"
+                                    + (f" ({damaged[0][0].name}: {damaged[0][1]})" if damaged else ""))
+        path = found
+    problem = verify(path)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
+    results = spawn(_export_rank, read_meta(path)["world_size"], str(path), str(out_dir), dtype)
+    return Path(results[0])
