@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from .config import Config
+from .heldout import eval_examples, greedy_repeats
 from .models import ARCHITECTURES, resolve_model_path
+from .placement import placement_of, unplaceable
 from .models.registry import hf_linears, num_experts
 from .precision import METHODS, PRECISIONS, get_precision, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
@@ -121,7 +123,6 @@ def _eval_rules(cfg: Config, out: Preflight) -> None:
     e, d = cfg.eval, cfg.data
     if not e.every:  # off, the other eval.* fields included: eval.every=0 alone turns a config's evaluation off
         return
-    from .loop.evaluation import eval_examples, greedy_repeats  # loop/ imports this module (the driver checks first)
 
     if greedy_repeats(cfg):
         out.problems.append(greedy_repeats(cfg))
@@ -225,7 +226,6 @@ def _memory_plan(cfg: Config, hf: dict[str, Any], out: Preflight, gpu: str | Non
 
 
 def _placement(cfg: Config, use_gpu: bool, out: Preflight, local: bool) -> None:
-    from .loop.actors import placement_of, unplaceable  # loop/ imports this module (the driver checks first)
 
     try:
         placement = placement_of(cfg, use_gpu)

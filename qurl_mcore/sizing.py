@@ -40,6 +40,7 @@ from typing import Any
 from .config import Config
 from .models.registry import ARCHITECTURES, shape
 from .models.slots import Shape, Slot
+from .placement import placement_of
 from .precision import quantized_linears
 
 GB = 10**9
@@ -670,8 +671,7 @@ def _verdict(s: Shape, cfg: Config, gpu: GPU, master: str, gpus_per_node: int,
 
 
 def _nodes_needed(cfg: Config, gpus_per_node: int) -> int:
-    """Nodes of `gpus_per_node` GPUs the placement (`loop.actors.placement_of`) fills; engines do not span nodes."""
-    from .loop.actors import placement_of
+    """Nodes of `gpus_per_node` GPUs the placement (`placement.placement_of`) fills; engines do not span nodes."""
 
     p = placement_of(cfg, use_gpu=True)
     trainer = math.ceil(len(p.trainer) / gpus_per_node)

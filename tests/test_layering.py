@@ -18,9 +18,12 @@ ALLOWED: dict[str, tuple[str, frozenset[str]]] = {name: (what, frozenset(deps)) 
     ("quant", "numerics shared by trainer and engine (pure torch)", ()),
     ("rl", "policy losses, advantages, mismatch metrics (pure torch)", ()),
     ("tasks", "prompt sets and rewards (pure Python)", ()),
-    ("models", "packaged and tiny models, architecture cards", ()),
+    ("models", "architecture tables, packaged and tiny models, architecture cards", ()),
     ("transfer", "buckets, ports, comm backend, store binding", ()),
     ("checkpoint", "the checkpoint format: files, meta, verify, latest valid", ()),
+    ("placement", "the Ray bundles of a config and whether a cluster holds them", ("config",)),
+    ("heldout", "the held-out prompts a config evaluates on", ("config", "tasks")),
+    ("runlock", "a run's lock on its checkpoint and log directories", ("config",)),
     ("patching", "`qurl patch`", ()),
     ("uaq", "UAQ scaling and update capture (pure torch)", ("quant", "models")),
     ("precision", "the precision table", ("quant", "models")),
@@ -29,11 +32,12 @@ ALLOWED: dict[str, tuple[str, frozenset[str]]] = {name: (what, frozenset(deps)) 
     ("rollout", "the SGLang engine client", ("sglang", "transfer")),
     ("megatron", "Megatron-Core models, weights, training stack", ("quant", "rl", "models", "precision", "uaq",
                                                                   "transfer")),
-    ("sizing", "`qurl plan`", ("config", "precision", "models", "quant")),
-    ("preflight", "`qurl train --check`", ("config", "precision", "models", "sizing", "sglang", "tasks")),
+    ("sizing", "`qurl plan`", ("config", "placement", "precision", "models", "quant")),
+    ("preflight", "`qurl train --check`", ("config", "heldout", "placement", "precision", "models", "sizing",
+                                           "sglang", "tasks")),
     ("loop", "the RL loop: trainer, engines, driver, evaluation", (
-        "checkpoint", "config", "megatron", "models", "precision", "preflight", "rl", "rollout", "sglang", "tasks",
-        "transfer", "uaq")),
+        "checkpoint", "config", "heldout", "megatron", "models", "placement", "precision", "preflight", "rl",
+        "rollout", "runlock", "sglang", "tasks", "transfer", "uaq")),
     ("export", "`qurl export`", ("checkpoint", "config", "megatron", "models")),
     ("align", "`qurl align`", ("megatron", "models", "precision", "rl", "rollout")),
     ("compare", "`qurl compare`", ("config", "loop")),
@@ -44,15 +48,6 @@ ALLOWED: dict[str, tuple[str, frozenset[str]]] = {name: (what, frozenset(deps)) 
                                    "precision", "preflight", "quant_report", "sizing", "slurm")),
     ("__main__", "`python -m qurl_mcore`", ("cli",)),
 )}
-
-#: (module, part it imports) -> why it is allowed for now. Each must still occur (a stale entry fails).
-KNOWN: dict[tuple[str, str], str] = {
-    ("qurl_mcore/preflight.py", "loop"): "the placement (loop/actors.py: plan, unplaceable) and the held-out "
-                                         "prompts (loop/evaluation.py) move below loop/: done by the lead after merge",
-    ("qurl_mcore/sizing.py", "loop"): "the placement (loop/actors.py: plan) moves below loop/: done by the lead "
-                                      "after merge",
-}
-
 
 def part_of(module: str) -> str | None:
     """The part of a dotted module name under qurl_mcore (None for the package itself or a name outside)."""
@@ -92,15 +87,6 @@ def part_imports(root: Path = PACKAGE) -> dict[tuple[str, str], list[str]]:
                     if target is not None and target != source:
                         edges[(source, target)].append(f"{rel}:{node.lineno}")
     return edges
-
-
-def _outside_known(edges: dict[tuple[str, str], list[str]]) -> dict[tuple[str, str], list[str]]:
-    out = {}
-    for (source, target), places in edges.items():
-        rest = [p for p in places if (p.rsplit(":", 1)[0], target) not in KNOWN]
-        if rest:
-            out[(source, target)] = rest
-    return out
 
 
 def cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -145,21 +131,16 @@ def test_the_table_has_no_cycle_and_names_only_parts():
 
 
 def test_imports_stay_within_the_table():
-    outside = {f"{s} -> {t}": places for (s, t), places in _outside_known(part_imports()).items()
+    outside = {f"{s} -> {t}": places for (s, t), places in part_imports().items()
                if t not in ALLOWED[s][1]}
     assert not outside, f"imports that ALLOWED does not allow (move the code, or change the table): {outside}"
 
 
 def test_the_parts_import_each_other_without_a_cycle():
     graph: dict[str, set[str]] = defaultdict(set)
-    for source, target in _outside_known(part_imports()):
+    for source, target in part_imports():
         graph[source].add(target)
     assert cycle(graph) is None, f"a cycle between parts: {' -> '.join(cycle(graph))}"
-
-
-def test_known_exceptions_still_occur():
-    places = {(p.rsplit(":", 1)[0], t) for (_, t), ps in part_imports().items() for p in ps}
-    assert not set(KNOWN) - places, f"drop these from KNOWN, they no longer occur: {sorted(set(KNOWN) - places)}"
 
 
 @pytest.mark.parametrize("source, expected", [

@@ -8,7 +8,7 @@ import pytest
 
 from qurl_mcore.cli import main
 from qurl_mcore.config import load_config
-from qurl_mcore.loop.actors import Placement, unplaceable
+from qurl_mcore.placement import Placement, unplaceable
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.preflight import preflight
 from qurl_mcore.sizing import local_gpu

@@ -12,43 +12,15 @@ import dataclasses
 from typing import TYPE_CHECKING, Sequence
 
 from qurl_mcore.config import Config
-from qurl_mcore.tasks import Example, load_examples, score_all
+from qurl_mcore.heldout import eval_examples, greedy_repeats
+from qurl_mcore.tasks import Example, score_all
 from qurl_mcore.tasks.rewards import RewardFn
-from qurl_mcore.tasks.synthetic import held_out_additions
 
 if TYPE_CHECKING:
     from qurl_mcore.rollout import Generation
 
 #: the name suffix of the BF16 reference engine's metrics
 BF16_SUFFIX = "_bf16"
-
-
-def eval_examples(cfg: Config, train: list[Example]) -> list[Example]:
-    """The held-out prompts: the first `eval.num_prompts` rows of `eval.data` (read with the data.* keys), or
-    else, for task addition, `eval.num_prompts` additions none of which is a training prompt (`train`).
-    Raises ValueError naming the field to fix."""
-    e, d = cfg.eval, cfg.data
-    if e.data:
-        try:
-            return load_examples(e.data, prompt_key=d.prompt_key, answer_key=d.answer_key, limit=e.num_prompts)
-        except (ValueError, OSError) as err:
-            raise ValueError(f"eval.data: {err}") from None
-    if d.task != "addition":
-        raise ValueError(f"eval.data: task {d.task!r} has no generated held-out split; give held-out prompts in "
-                         "a file of their own")
-    try:
-        return held_out_additions(e.num_prompts, train, seed=cfg.seed, max_operand=d.max_operand)
-    except ValueError as err:
-        raise ValueError(f"eval.num_prompts: {err}") from None
-
-
-def greedy_repeats(cfg: Config) -> str | None:
-    """The problem with `eval.n` > 1 greedy samples per prompt (they are all alike), or None."""
-    e = cfg.eval
-    if e.temperature == 0 and e.n > 1:
-        return (f"eval.n: greedy decoding (eval.temperature 0) gives one answer {e.n} times; use eval.n=1, or "
-                "eval.temperature > 0 for mean@n")
-    return None
 
 
 def sampling(cfg: Config) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qurl_mcore.config import Config
+from qurl_mcore.heldout import eval_examples
 from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
 from qurl_mcore.rollout.engine import moe_shape
 from qurl_mcore.rollout.results import RequestRefused
@@ -181,7 +182,6 @@ class RolloutManager:
             redirect_output(log_file)
         from transformers import AutoTokenizer
 
-        from .evaluation import eval_examples
 
         self.cfg = cfg
         self.hosts = hosts

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from qurl_mcore.config import ConfigError, load_config
-from qurl_mcore.loop.evaluation import accuracy, eval_examples, pass_at_n, sampling, score
+from qurl_mcore.heldout import eval_examples
+from qurl_mcore.loop.evaluation import accuracy, pass_at_n, sampling, score
 from qurl_mcore.preflight import preflight
 from qurl_mcore.rollout import Generation
 from qurl_mcore.tasks import REWARDS, addition_examples

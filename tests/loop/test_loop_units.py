@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qurl_mcore.config import ConfigError, load_config
-from qurl_mcore.loop.actors import placement_of
+from qurl_mcore.placement import placement_of
 from qurl_mcore.loop.batch import Sample
 from qurl_mcore.loop.driver import advantages
 from qurl_mcore.loop.sampler import EngineFailure, engine_config, engine_quantization, prompt_indices
