@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from qurl_mcore.transfer import buckets, dtype_name
 from qurl_mcore.uaq import uaq_scale_hf
@@ -174,9 +176,6 @@ class _Placement:
 
 
 def _placement(model) -> _Placement:
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
     config = model.config
     ep = ps.get_expert_model_parallel_world_size()
     return _Placement(ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
