@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from qurl_mcore.models.registry import slots
 from qurl_mcore.models.slots import Slot, pattern
@@ -99,9 +101,6 @@ class _Placement:
 
 
 def _placement(model) -> _Placement:
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
     config = model.config
     ep = ps.get_expert_model_parallel_world_size()
     return _Placement(ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group(),

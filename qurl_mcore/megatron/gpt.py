@@ -16,8 +16,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from qurl_mcore.models.registry import architecture
+from qurl_mcore.precision import train_spec
+
+from .spec import gpt_spec, te_fp8_available
 
 
 def load_hf_config(hf: Any):
@@ -41,9 +47,6 @@ def rope_theta(hf_config) -> float:
 def gpt_config(hf_config, **overrides: Any):
     """The Megatron TransformerConfig of an HF config (fp32 parameters, no dropout, no fusions: the settings
     under which Megatron and HF logits agree to fp32 rounding). `overrides` replace any field."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     hf = load_hf_config(hf_config)
     tp = ps.get_tensor_model_parallel_world_size()
     arch = architecture(hf)
@@ -117,12 +120,6 @@ def build_gpt(
     (`RECOMPUTE`), with the core attention `core_attention` (`spec.CORE_ATTENTION`; by default SDPA on CUDA,
     Megatron's local one on the CPU). Load weights with `convert.load_hf_weights`. FP8 training on Transformer
     Engine gets Megatron's fp8 settings."""
-    from megatron.core.models.gpt import GPTModel
-
-    from qurl_mcore.precision import train_spec
-
-    from .spec import gpt_spec, te_fp8_available
-
     hf = load_hf_config(hf_config)
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; use one of {list(RECOMPUTE)}")
@@ -131,8 +128,6 @@ def build_gpt(
     overrides = {"params_dtype": dtype, "pipeline_dtype": dtype, "bf16": dtype == torch.bfloat16,
                  "use_cpu_initialization": not torch.cuda.is_available(), **RECOMPUTE[recompute], **overrides}
     config = gpt_config(hf, **overrides)
-    from megatron.core import parallel_state as ps
-
     return GPTModel(
         config=config,
         transformer_layer_spec=gpt_spec(config, precision=precision, scope=scope, fmt=fmt,

@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.moe.router import TopKRouter
 from torch import Tensor
 
 
@@ -77,8 +80,6 @@ def model_inputs(input_ids: Tensor, *, attention_mask: Tensor | None = None,
 def logprobs_from_logits(model: torch.nn.Module, logits: Tensor, inputs: ModelInputs, *, temperature: float = 1.0,
                          return_entropy: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """(logprobs [b, s], mask [b, s], entropy [b, s] or None) from the model's logits [b, s, V or V/TP]."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     input_ids, seg = inputs.input_ids, inputs.segments
     b = input_ids.shape[0]
     logits = logits[:, :-1].float() / temperature
@@ -107,8 +108,6 @@ class _RouteRecorder:
     """Forward hooks on every MoE router, recording each token's top-k experts."""
 
     def __init__(self, model: torch.nn.Module):
-        from megatron.core.transformer.moe.router import TopKRouter
-
         self.routes: list[Tensor] = []
         self.handles = [m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, TopKRouter)]
 
@@ -119,8 +118,6 @@ class _RouteRecorder:
 
     def gathered(self, batch: int, model: torch.nn.Module) -> Tensor:
         """[layers, b, s, k], the sequence-parallel shards gathered."""
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
         out = []
         for idx in self.routes:
             idx = idx.view(-1, batch, idx.shape[-1])  # tokens are [s, b] flattened

@@ -11,6 +11,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from megatron.core import parallel_state
+from megatron.core import tensor_parallel as mtp
 
 from qurl_mcore.transfer import bind_stores_to_their_address, comm_backend, free_port
 
@@ -34,8 +36,6 @@ def init_parallel(
     defaults to 1 when experts are sharded (EP > 1), else to `tensor_parallel`.
     """
     apply_cpu_compat()
-    from megatron.core import parallel_state, tensor_parallel as mtp
-
     bind_stores_to_their_address()
     bind_device()  # before NCCL's communicators, which take the current device
     if not dist.is_initialized():
@@ -75,8 +75,6 @@ def current_device() -> torch.device:
 
 def destroy_parallel() -> None:
     """Tear down Megatron's groups and the default process group."""
-    from megatron.core import parallel_state
-
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

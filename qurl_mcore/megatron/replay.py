@@ -26,7 +26,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.router import TopKRouter
 from torch import Tensor
+
+from qurl_mcore.rl.metrics import topk_agreement_sums
 
 
 class RouterTap:
@@ -56,8 +60,6 @@ class RoutingTaps:
     """The taps of every MoE router of `model` (this rank's pipeline stage), by global layer number."""
 
     def __init__(self, model: torch.nn.Module):
-        from megatron.core.transformer.moe.router import TopKRouter
-
         self.taps: dict[int, RouterTap] = {}
         for module in model.modules():
             if isinstance(module, TopKRouter):
@@ -74,8 +76,6 @@ class RoutingTaps:
         """[b, s, ...] → the router's token order [s_local · b, ...] (module docstring)."""
         x = per_token.transpose(0, 1)
         if self.sequence_parallel:
-            from megatron.core import parallel_state as ps
-
             x = x.chunk(ps.get_tensor_model_parallel_world_size())[ps.get_tensor_model_parallel_rank()]
         return x.reshape(-1, *x.shape[2:])
 
@@ -88,8 +88,6 @@ class RoutingTaps:
         """Own routing of the last forward vs `experts` [b, s, layers, k] over the tokens in `mask` [b, s]:
         float64 [num_layers, 3], per global layer (tokens, tokens with the same top-k set, Σ |own ∩ rollout| / k);
         zeros for layers not on this rank. Sums, so that micro-batches and ranks add up."""
-        from qurl_mcore.rl.metrics import topk_agreement_sums
-
         out = torch.zeros(num_layers, 3, dtype=torch.float64)
         keep = self._local(mask)
         for layer, tap in self.taps.items():
