@@ -286,7 +286,7 @@ def layer_activation_bytes(s: Shape, cfg: Config, e: int = 2) -> dict[str, int]:
     counted as measured on it (tests/test_plan.py; docs/plan.md). e bytes per element, x = e, or 4 for the
     inputs of linears the trainer quantizes (its autograd keeps them dequantized, fp32).
       norm        2e·h + 4        input, its normalised copy (before ·γ) and 1/rms (fp32), each of the two
-      attention   norm + x·h (QKV input) + e·a·d (q after RoPE) + x·a·d (o_proj input, which SDPA also keeps
+      attention   norm + x·h (QKV input) + e·a·d (q after RoPE) + x·a·d (linear_proj input, which SDPA also keeps
                   as its output) [+ e·(3a+3g)·d with q/k norms: their inputs, outputs and the QKV output]
       core        e·s (SDPA's additive mask, b·s² per micro-batch) + 4a (log-sum-exp)
                   + 2e·a·d (k, v repeated to a heads) or, without grouping, e·a·d + e·(a+2g)·d (k after

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from qurl_mcore.models.registry import slots
+from qurl_mcore.models.registry import architecture, slots
 from qurl_mcore.models.slots import Slot, pattern
 from qurl_mcore.transfer import buckets, dtype_name
 from qurl_mcore.uaq import uaq_scale_hf
@@ -198,7 +198,8 @@ def _read_local(ckpt: _Checkpoint, layout: str, names: list[str], hf, rank: int,
 def load_hf_weights(model, hf_dir: str | Path) -> None:
     """Copy the HF checkpoint in directory `hf_dir` into this rank's shards of `model`, cast to the
     parameters' dtype, reading only the tensors and slices this rank owns. Raises if a parameter has no
-    source or an HF tensor is unused (a tied checkpoint may carry a redundant lm_head.weight)."""
+    source or an HF tensor is unused (a tied checkpoint may carry a redundant output layer: the HF tensors of
+    the table's untied-only slots)."""
     hf = load_hf_config(hf_dir)
     ckpt = _Checkpoint(hf_dir)
     where = _placement(model)
@@ -216,7 +217,9 @@ def load_hf_weights(model, hf_dir: str | Path) -> None:
         with torch.no_grad():
             param.copy_(local.to(param.dtype))
         used.update(names)
-    unused = set(ckpt.where) - used - ({"lm_head.weight"} if hf.tie_word_embeddings else set())
+    redundant = {t for s in architecture(hf).slots if s.needs == "untied" for t in s.hf} if hf.tie_word_embeddings \
+        else set()
+    unused = set(ckpt.where) - used - redundant
     if where.ep_group.size() == where.pp_group.size() == 1 and unused:  # else other ranks use the rest
         raise KeyError(f"HF tensors not loaded: {sorted(unused)[:8]}")
 

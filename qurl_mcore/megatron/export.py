@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from qurl_mcore.models.registry import hf_uaq_role
+from qurl_mcore.models.registry import ARCHITECTURES, hf_uaq_role
 from qurl_mcore.uaq import uaq_scale_hf
 
 from .convert import export_hf_weights
@@ -169,8 +169,8 @@ def unscale_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, uaq_scale: fl
                   str(partial / f.name), metadata={"format": "pt"})
     if not rescaled:
         shutil.rmtree(partial)
-        raise ValueError(f"{src}: no tensor has a name UAQ rescales (model.layers.N.input_layernorm.weight, "
-                         "...q_proj.weight, ...): only Llama/Qwen2/Qwen3/Qwen3-MoE checkpoints are UAQ-scaled")
+        raise ValueError(f"{src}: no tensor has a name UAQ rescales (the `uaq` roles of the architecture tables, "
+                         f"qurl_mcore.models): only checkpoints of {list(ARCHITECTURES)} are UAQ-scaled")
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy(f, partial / f.name)
