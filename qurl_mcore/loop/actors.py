@@ -6,19 +6,23 @@ The bundles and who goes where are `qurl_mcore.placement`'s.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from qurl_mcore.config import Config, ConfigError
 from qurl_mcore.placement import Placement, placement_of, unplaceable
+from qurl_mcore.transfer import free_port
 
+from .groups import Rollouts, TrainerGroup
 from .outcome import RunFailure
+from .sampler import EngineHost, RolloutManager, engine_config, reference_engine_config
 
-if TYPE_CHECKING:  # groups.py imports Ray at its top; this module imports it where it starts actors
-    from .groups import Rollouts, TrainerGroup
 
 def _options(placement: Placement, pg, index: int, devices: float, threads: int) -> dict[str, Any]:
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     opts: dict[str, Any] = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=index)}
     if placement.device == "GPU":
@@ -31,10 +35,6 @@ def _options(placement: Placement, pg, index: int, devices: float, threads: int)
 
 def _rendezvous() -> tuple[str, int]:
     """This node's address and a TCP port free on it."""
-    import ray
-
-    from qurl_mcore.transfer import free_port
-
     addr = ray.util.get_node_ip_address()
     return addr, free_port(addr)
 
@@ -42,11 +42,6 @@ def _rendezvous() -> tuple[str, int]:
 def wait_for_placement(pg, stop, timeout: float = 600.0) -> None:
     """Wait for placement group `pg` (resources that exist but are busy), giving up on `stop.requested` (a
     signal) or after `timeout` seconds, with the group removed either way."""
-    import time
-
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
     ready = pg.ready()
     deadline = time.monotonic() + timeout
     while not ray.wait([ready], timeout=1.0)[0]:
@@ -67,12 +62,7 @@ def start_actors(cfg: Config, model_path: str, stop=None) -> tuple[TrainerGroup,
     takes it again).
     A placement the cluster cannot hold is refused at once (ValueError naming what is missing); one it can
     hold but not yet is waited for, as long as `stop` (an outcome.StopRequest) is not requested."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from .groups import Rollouts, TrainerGroup
-    from .sampler import EngineHost, RolloutManager, engine_config, reference_engine_config
+    # here, not at the top: trainer.py imports Megatron-Core, which the driver process need not load
     from .trainer import PolicyTrainer
 
     resources = ray.cluster_resources()

@@ -26,16 +26,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import ray
 import torch
+from ray.util.placement_group import remove_placement_group
+from tqdm import tqdm
 
 from qurl_mcore import checkpoint as ckpt
 from qurl_mcore.config import Config, ConfigError, to_dict
+from qurl_mcore.models import resolve_model_path
+from qurl_mcore.precision import quantized_linears
+from qurl_mcore.preflight import preflight
 from qurl_mcore.rl.advantages import dynamic_sampling_mask, grpo_advantages, rloo_advantages
+from qurl_mcore.runlock import lock_dirs
 
+from .actors import start_actors
 from .batch import Sample, collate
-from .outcome import RunFailure
+from .outcome import RunFailure, StopRequest
 from .report import write_report
-from .tracking import MetricsLog
+from .sampler import EngineFailure
+from .tracking import MetricsLog, warnings_to_file
 
 
 @dataclass
@@ -73,13 +82,6 @@ class Loop:
     """The actors of one run (groups.py: the trainer ranks, the rollout engines) and the step sequence over them."""
 
     def __init__(self, cfg: Config, stop=None):
-        import ray
-
-        from qurl_mcore.models import resolve_model_path
-
-        from .actors import start_actors
-        from .sampler import EngineFailure
-
         self.cfg = cfg
         self.ray = ray
         self.model_path = str(resolve_model_path(cfg.model.path))
@@ -110,8 +112,6 @@ class Loop:
     def check_symmetry(self) -> None:
         """Refuse to train unless the engines and the trainer quantize exactly the linears the precision
         table says (`qurl_mcore.precision.quantized_linears`)."""
-        from qurl_mcore.precision import quantized_linears
-
         precision, scope, _ = self.cfg.resolved_precision()
         engines = self.rollouts.quantized_linears()
         trainer = self.trainers.quantized_linears()
@@ -131,8 +131,6 @@ class Loop:
     def recovering(self, action, version: str):
         """`action()`, retried after restarting a failed engine and loading it with the trainer's current
         weights (tagged `version`), at most `rollout.restart_attempts` times."""
-        from .sampler import EngineFailure
-
         attempts = self.cfg.rollout.restart_attempts
         for attempt in range(attempts + 1):
             try:
@@ -256,8 +254,6 @@ class Loop:
         return metrics
 
     def close(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
         self.rollouts.close()
         self.trainers.close()
         remove_placement_group(self.pg)
@@ -265,8 +261,6 @@ class Loop:
 
 def say(message: str) -> None:
     """One line on the console for a notable event, above the progress bar."""
-    from tqdm import tqdm
-
     tqdm.write(f"qurl train: {message}", file=sys.stderr)
 
 
@@ -280,8 +274,6 @@ def _evaluated(loop: Loop, step: int) -> dict[str, float]:
 
 
 def _progress(cfg: Config, start: int):
-    from tqdm import tqdm
-
     return tqdm(total=cfg.steps, initial=start, desc="qurl train", unit="step", disable=not cfg.logging.progress,
                 file=sys.stderr, dynamic_ncols=True)
 
@@ -294,14 +286,6 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     The console gets the progress bar and one line per notable event; everything the actors print (and the
     driver's Python warnings) goes to files in `logging.dir` (driver.log, trainer-<rank>.log, engine-<i>.log,
     rollout-manager.log)."""
-    import ray
-
-    from qurl_mcore.preflight import preflight
-    from qurl_mcore.runlock import lock_dirs
-
-    from .outcome import StopRequest
-    from .tracking import warnings_to_file
-
     address = address or os.environ.get("RAY_ADDRESS")  # an existing cluster brings its own node tags
     checked = preflight(cfg, local=not address)
     if not checked.ok:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Sequence
 
+import torch
+
 from qurl_mcore.config import Config
 from qurl_mcore.heldout import eval_examples, greedy_repeats
-from qurl_mcore.tasks import Example, score_all
+from qurl_mcore.models import resolve_model_path
+from qurl_mcore.tasks import REWARDS, Example, score_all
 from qurl_mcore.tasks.rewards import RewardFn
 
 if TYPE_CHECKING:
@@ -78,13 +81,9 @@ def evaluate_model(cfg: Config, model_path: str, startup_timeout: float = 600.0)
     """`qurl eval`: the evaluation `cfg` describes, on the HF checkpoint `model_path` (or a name `model.path`
     takes) served by one engine of `cfg.precision` started here (as the loop starts them, without Ray).
     Returns {"metrics": eval/*, "samples": `samples`}."""
-    import torch
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # only `qurl eval` needs a tokenizer here, not the loop
 
-    from qurl_mcore.models import resolve_model_path
-    from qurl_mcore.tasks import REWARDS
-
-    from .sampler import EngineHost, chat_ids, engine_config, load_prompt_set
+    from .sampler import EngineHost, chat_ids, engine_config, load_prompt_set  # sampler imports this module
 
     if greedy_repeats(cfg):
         raise ValueError(greedy_repeats(cfg))

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from qurl_mcore.config import Config
 from qurl_mcore.heldout import eval_examples
 from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
@@ -27,6 +29,7 @@ from qurl_mcore.tasks import REWARDS, Example, addition_examples, load_examples,
 from qurl_mcore.transfer import bind_gloo_towards
 
 from .batch import Sample
+from .evaluation import BF16_SUFFIX, samples, sampling, score
 from .tracking import redirect_output
 
 
@@ -79,8 +82,6 @@ class EngineHost:
 
     def __init__(self, config: EngineConfig, host: str | None = "127.0.0.1", startup_timeout: float = 600.0,
                  log_file: str | None = None):
-        import ray
-
         if log_file:  # the host's output and its server's go to the run's logs
             redirect_output(log_file)
         self.log_file = log_file
@@ -180,7 +181,7 @@ class RolloutManager:
     def __init__(self, cfg: Config, model_path: str, hosts: list, log_file: str | None = None, reference=None):
         if log_file:
             redirect_output(log_file)
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # only the manager's own process needs it, not the driver's
 
 
         self.cfg = cfg
@@ -240,8 +241,6 @@ class RolloutManager:
         engines (requests split evenly over them), or with `reference` on the BF16 reference engine (names
         suffixed `_bf16`). Every sample goes to logging.dir/eval/step_<step>[_bf16].jsonl. Raises
         EngineFailure naming the first engine that failed."""
-        from .evaluation import BF16_SUFFIX, samples, sampling, score
-
         n = self.cfg.eval.n
         ids = [i for i in self.eval_ids for _ in range(n)]
         hosts = self._hosts(reference)
@@ -259,8 +258,6 @@ class RolloutManager:
 
     def reference_endpoint(self) -> tuple[str, str | None]:
         """(URL, API key) of the BF16 reference engine, for trainer rank 0 to push to."""
-        import ray
-
         return ray.get(self.reference.endpoint.remote())
 
     def _hosts(self, reference: bool) -> list[tuple[int, Any]]:
@@ -269,19 +266,13 @@ class RolloutManager:
 
     def endpoints(self) -> list[tuple[str, str | None]]:
         """Every engine's (URL, API key), in engine order."""
-        import ray
-
         return ray.get([host.endpoint.remote() for host in self.hosts])
 
     def quantized_linears(self) -> list[set[str]]:
-        import ray
-
         return ray.get([host.quantized_linears.remote() for host in self.hosts])
 
     def _gather(self, futures: dict[int, Any]) -> list:
         """Results of the hosts' calls, in order; EngineFailure names the first engine that failed."""
-        import ray
-
         out = []
         for index, future in futures.items():
             try:
@@ -294,8 +285,6 @@ class RolloutManager:
 
     def restart(self, index: int) -> None:
         """Restart engine `index` (`len(hosts)`: the reference engine)."""
-        import ray
-
         ray.get((self.hosts[index] if index < len(self.hosts) else self.reference).restart.remote())
 
     def release_memory(self, *, reference: bool = False) -> None:
@@ -308,6 +297,4 @@ class RolloutManager:
         self._gather({i: host.resume_memory.remote(tags) for i, host in self._hosts(reference)})
 
     def pids(self) -> list[int]:
-        import ray
-
         return ray.get([host.pid.remote() for host in self.hosts])
