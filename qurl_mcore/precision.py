@@ -50,9 +50,9 @@ class RolloutMethod:
 
 #: SGLang method name -> what it computes (`qurl_mcore.sglang` registers exactly these)
 METHODS: dict[str, RolloutMethod] = {m.name: m for m in (
-    RolloutMethod("qurl_int8", "naive", ("int8",)),  # W8A8: per-channel weights, per-token activations
-    RolloutMethod("qurl_fp8", "naive", ("fp8_e4m3",)),
-    RolloutMethod("qurl_fp4", "naive", FP4_FORMATS),  # weights and activations on the format's blocks
+    RolloutMethod("qurl_int8", "rc_none", ("int8",)),  # W8A8: per-channel weights, per-token activations
+    RolloutMethod("qurl_fp8", "rc_none", ("fp8_e4m3",)),
+    RolloutMethod("qurl_fp4", "rc_none", FP4_FORMATS),  # weights and activations on the format's blocks
     RolloutMethod("qurl_fp4_rc", "rc_forward", FP4_FORMATS),  # Y = Q(X)Q(W)ᵀ + Q(X−Q(X))Q(W)ᵀ
 )}
 
@@ -97,14 +97,14 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
               "INT8 W8A8 rollout, full-precision training (QuRL; importance correction, UAQ)"),
     Precision("fp8", "bf16", "qurl_fp8", "QuRL", "all",
               "FP8 E4M3 W8A8 rollout, full-precision training (QuRL)"),
-    Precision("fp8_e2e", "naive", "qurl_fp8", "ablation", "all",
+    Precision("fp8_e2e", "rc_none", "qurl_fp8", "ablation", "all",
               "FP8 training (one scale per tensor, Transformer Engine's current scaling) and FP8 W8A8 rollout",
               train_granularity="tensor"),
-    Precision("fp4", "naive", "qurl_fp4", "symmetric", "experts",
+    Precision("fp4", "rc_none", "qurl_fp4", "symmetric", "experts",
               "FP4 on both sides, no residual correction (MoEResQ's FP4 baseline row)"),
     Precision("fp4_rc", "rc_both", "qurl_fp4_rc", "symmetric", "experts",
               "FP4 with residual correction in training forward and backward and in rollout (MoEResQ)"),
-    Precision("fp4_rc_rollout", "naive", "qurl_fp4_rc", "ablation", "experts",
+    Precision("fp4_rc_rollout", "rc_none", "qurl_fp4_rc", "ablation", "experts",
               "residual correction in rollout only (MoEResQ's RC-inference row, RolloutResQ)"),
     Precision("fp4_rc_train", "rc_both", "qurl_fp4", "ablation", "experts",
               "residual correction in training only (MoEResQ's RC-training row)"),

@@ -119,13 +119,14 @@ def build_gpt(
     from megatron.core.models.gpt import GPTModel
 
     from qurl_mcore.precision import train_spec
+    from qurl_mcore.quant import PerTensor
 
     from .spec import gpt_spec, te_fp8_available
 
     hf = load_hf_config(hf_config)
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; use one of {list(RECOMPUTE)}")
-    if train_spec(precision, fmt).weight_granularity == "tensor" and te_fp8_available():
+    if isinstance(train_spec(precision, fmt).weight_granularity, PerTensor) and te_fp8_available():
         overrides = {"fp8": "e4m3", "fp8_recipe": "tensorwise", **overrides}
     overrides = {"params_dtype": dtype, "pipeline_dtype": dtype, "bf16": dtype == torch.bfloat16,
                  "use_cpu_initialization": not torch.cuda.is_available(), **RECOMPUTE[recompute], **overrides}

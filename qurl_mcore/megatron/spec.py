@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from qurl_mcore.precision import get_precision, quantizes, resolve, train_spec
+from qurl_mcore.quant import PerTensor
 
 from .attention import SDPAttention
 from .layers import QuantColumnParallelLinear, QuantRowParallelLinear, SequenceParallelNorm
@@ -77,7 +78,7 @@ def te_fp8_available() -> bool:
 def _linears(precision: str, fmt: str | None) -> tuple[object, object]:
     """(column, row) linear specs of a precision that trains quantized."""
     spec = train_spec(precision, fmt)
-    if spec.weight_granularity == "tensor" and te_fp8_available():  # TE kernels under Megatron's fp8_autocast
+    if isinstance(spec.weight_granularity, PerTensor) and te_fp8_available():  # TE kernels under Megatron's fp8_autocast
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
 
         return TEColumnParallelLinear, TERowParallelLinear
@@ -86,7 +87,8 @@ def _linears(precision: str, fmt: str | None) -> tuple[object, object]:
 
 
 def _check_config(config: TransformerConfig, precision: str, fmt: str | None) -> None:
-    if train_spec(precision, fmt).weight_granularity == "tensor" and te_fp8_available() and config.fp8 is None:
+    per_tensor = isinstance(train_spec(precision, fmt).weight_granularity, PerTensor)
+    if per_tensor and te_fp8_available() and config.fp8 is None:
         raise ValueError(f"precision {precision!r} on Transformer Engine needs config.fp8='e4m3' and "
                          "config.fp8_recipe='tensorwise' so that Megatron enters fp8_autocast")
     if config.num_moe_experts and config.moe_grouped_gemm:

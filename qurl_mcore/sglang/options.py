@@ -3,9 +3,9 @@
 The method names and what they compute are rows of `qurl_mcore.precision.METHODS` (the table shared with
 the trainer); `spec()` is `qurl_mcore.precision.rollout_spec(method, fmt)`:
 
-  qurl_int8    W8A8 INT8: per-channel weights, per-token activations      mode naive, int8
-  qurl_fp8     W8A8 FP8 E4M3, same granularity                            mode naive, fp8_e4m3
-  qurl_fp4     FP4 weights and activations on their own blocks            mode naive, nvfp4 | mxfp4
+  qurl_int8    W8A8 INT8: per-channel weights, per-token activations      mode rc_none, int8
+  qurl_fp8     W8A8 FP8 E4M3, same granularity                            mode rc_none, fp8_e4m3
+  qurl_fp4     FP4 weights and activations on their own blocks            mode rc_none, nvfp4 | mxfp4
   qurl_fp4_rc  FP4 with residual-corrected activations, Y = Q(X)Q(W)ᵀ + Q(X-Q(X))Q(W)ᵀ
                                                                           mode rc_forward, nvfp4 | mxfp4
 (`rc_forward` and `rc_both` share this forward; the rollout engine only runs forwards.)

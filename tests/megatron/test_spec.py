@@ -6,6 +6,7 @@ from qurl_mcore.megatron.models import build_gpt, gpt_config
 from qurl_mcore.megatron.spec import gpt_spec, linear_group
 from qurl_mcore.precision import train_spec
 from qurl_mcore.models.tiny import tiny_checkpoint
+from qurl_mcore.quant import PerTensor
 from tests.conftest import requires_cuda
 
 from .helpers import random_ids
@@ -75,11 +76,11 @@ def test_qurl_precisions_train_in_full_precision(megatron_ws1):
 
 def test_trainer_specs_come_from_the_precision_table():
     assert train_spec("fp4_rc").mode == "rc_both"
-    assert train_spec("fp4_rc_rollout", "mxfp4").mode == "naive"
+    assert train_spec("fp4_rc_rollout", "mxfp4").mode == "rc_none"
     assert train_spec("fp4_rc_train", "mxfp4").mode == "rc_both"
     fp8 = train_spec("fp8_e2e")
     assert (fp8.fmt, fp8.weight_granularity, fp8.act_granularity, fp8.grad_granularity) == \
-        ("fp8_e4m3", "tensor", "tensor", "tensor")
+        ("fp8_e4m3", PerTensor(), PerTensor(), PerTensor())
     assert not train_spec("int8").quantized
     with pytest.raises(ValueError, match="unknown precision"):
         train_spec("int4")
@@ -103,7 +104,7 @@ def test_unknown_scope_is_refused(megatron_ws1):
         gpt_spec(gpt_config(tiny_checkpoint("qwen3")), "fp4", scope="attention")
 
 
-def test_rc_is_closer_to_bf16_than_naive_fp4(megatron_ws1):
+def test_rc_is_closer_to_bf16_than_plain_fp4(megatron_ws1):
     """End to end, RC's forward error is below plain FP4's (RC corrects the activations; the weight error,
     quantized once in both, remains) and FP8's is below both."""
     from qurl_mcore.megatron.convert import load_hf_weights

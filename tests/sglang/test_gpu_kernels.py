@@ -20,7 +20,7 @@ def test_sglang_w8a8_kernels_match_the_qurl_forward(fmt):
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 512, device="cuda", generator=gen).bfloat16()
     w = (0.05 * torch.randn(768, 512, device="cuda", generator=gen)).bfloat16()
-    spec = make_spec("naive", fmt)
+    spec = make_spec("rc_none", fmt)
     wq = quantize_weight(w, spec)
     got = kernels.w8a8_linear(x, wq, None).float()
     want = quantized_linear(x, wq, None, spec).float()

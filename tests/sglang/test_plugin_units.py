@@ -6,15 +6,15 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from qurl_mcore.quant import make_spec, quantize_weight, quantized_linear
+from qurl_mcore.quant import PerBlock, make_spec, quantize_weight, quantized_linear
 from qurl_mcore.sglang import METHODS, QurlOptions, register
 from qurl_mcore.sglang import weights
 from tests.conftest import requires_cuda
 
 
 def test_options_defaults_and_validation():
-    assert QurlOptions.parse("qurl_int8").spec() == make_spec("naive", "int8")
-    assert QurlOptions.parse("qurl_fp8").spec() == make_spec("naive", "fp8_e4m3")
+    assert QurlOptions.parse("qurl_int8").spec() == make_spec("rc_none", "int8")
+    assert QurlOptions.parse("qurl_fp8").spec() == make_spec("rc_none", "fp8_e4m3")
     assert QurlOptions.parse("qurl_fp4").fmt == "nvfp4"
     rc = QurlOptions.parse("qurl_fp4_rc", {"quant_method": "qurl_fp4_rc", "fmt": "mxfp4", "scope": "experts",
                                            "packed_modules_mapping": {}, "hf_config": None})
@@ -68,7 +68,7 @@ def test_master_detach_attach_keeps_the_parameter_and_its_loader():
 
 @pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
 def test_store_rewrites_in_place(fmt):
-    spec = make_spec("naive", fmt)
+    spec = make_spec("rc_none", fmt)
     old = quantize_weight(torch.randn(32, 64), spec)
     ptrs = (old.data.data_ptr(), old.scale.data_ptr())
     new = quantize_weight(torch.randn(32, 64), spec)
@@ -85,7 +85,7 @@ def test_a_host_master_is_written_where_it_waits_and_quantized_at_home(device):
     layer's home from a copy of one weight. On the CPU home and host coincide."""
     layer = torch.nn.Module()
     layer.register_parameter("weight", torch.nn.Parameter(torch.randn(32, 64, device=device), requires_grad=False))
-    spec = make_spec("naive", "int8")
+    spec = make_spec("rc_none", "int8")
     assert weights.home(layer, "weight") == layer.weight.device
     weights.detach_master(layer, "weight", host=True)
     weights.attach_master(layer, "weight")
@@ -113,8 +113,8 @@ def test_stacked_experts_dequantize_as_each_expert_and_refresh_in_place(method, 
     assert weights.store(views[1], fresh) is views[1]
     assert torch.equal(stacked.dequantize()[1], fresh.dequantize())
     with pytest.raises(ValueError, match="stacking needs groups of one row"):
-        weights.stack([quantize_weight(torch.randn(256, 256), make_spec("naive", "int8", weight_granularity="block",
-                                                                weight_block=(128, 128)))])
+        weights.stack([quantize_weight(torch.randn(256, 256),
+                                       make_spec("rc_none", "int8", weight_granularity=PerBlock((128, 128))))])
 
 
 def _routed_reference(x, topk_weights, topk_ids, w13, w2, spec):
