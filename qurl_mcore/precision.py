@@ -18,6 +18,9 @@ Routers (mlp.gate), norms, embeddings and the output layer are never quantized.
 A precision whose trainer runs full precision while the engines quantize (QuRL's int8/fp8) quantizes
 nothing on the trainer by design: the behaviour policy is the quantized one and the loss corrects for it.
 Every other asymmetry is an ablation and is a named row of `PRECISIONS` (MoEResQ's one-sided RC rows).
+
+This module is the table, torch-free (`qurl --help`, `qurl plan`); `qurl_mcore.recipe.resolve` turns a choice
+of precision, scope and format into the `Recipe` that the trainer and the engines compute with.
 """
 from __future__ import annotations
 
@@ -62,8 +65,9 @@ class Precision:
     """One row of `PRECISIONS`.
 
     `train` is the `qurl_mcore.quant` mode of the trainer's linears in scope ("bf16": full precision, the
-    stock Megatron linears); `train_granularity` "tensor" means one scale per tensor for weights,
-    activations and gradients (Transformer Engine's FP8 current scaling), None the format's defaults.
+    stock Megatron linears); `train_granularity` names the granularity (`qurl_mcore.quant.GRANULARITIES`) of
+    weights, activations and gradients, None the format's defaults: "tensor" is one scale per tensor, which
+    Transformer Engine's FP8 current scaling runs where it is installed.
     `rollout` is the engines' SGLang method, None for full-precision engines. `kind` says why the row exists.
     """
 
@@ -121,9 +125,9 @@ def get_precision(name: str) -> Precision:
         raise ValueError(f"unknown precision {name!r}; use one of {list(PRECISIONS)}") from None
 
 
-def resolve(precision: str, scope: str = "auto", fmt: str | None = None) -> tuple[Precision, str, str | None]:
+def select(precision: str, scope: str = "auto", fmt: str | None = None) -> tuple[Precision, str, str | None]:
     """(row, scope, format) with the defaults filled in and every choice validated: `scope` "auto" is the
-    precision's default, `fmt` None its default format."""
+    precision's default, `fmt` None its default format. `qurl_mcore.recipe.resolve` builds the recipe on it."""
     p = get_precision(precision)
     if scope == "auto":
         scope = p.scope
@@ -147,30 +151,6 @@ def quantizes(scope: str, group: str) -> bool:
     if group not in GROUPS:
         raise ValueError(f"unknown linear group {group!r}; use one of {list(GROUPS)}")
     return group in SCOPES[scope]
-
-
-def train_spec(precision: str, fmt: str | None = None):
-    """The `QuantLinearSpec` of the trainer's linears in scope (full precision for QuRL rows and bf16)."""
-    from qurl_mcore.quant import make_spec
-
-    p, _, fmt = resolve(precision, "auto", fmt)
-    if not p.trains_quantized:
-        return make_spec("bf16")
-    g = p.train_granularity
-    return make_spec(p.train, fmt, weight_granularity=g, act_granularity=g, grad_granularity=g)
-
-
-def rollout_spec(method: str, fmt: str | None = None):
-    """The `QuantLinearSpec` of an engine running `method` (the trainer's numerics, forward only)."""
-    from qurl_mcore.quant import make_spec
-
-    m = METHODS.get(method)
-    if m is None:
-        raise ValueError(f"unknown qurl quantization method {method!r}; use one of {list(METHODS)}")
-    fmt = fmt or m.formats[0]
-    if fmt not in m.formats:
-        raise ValueError(f"{method} runs in {list(m.formats)}, not {fmt!r}")
-    return make_spec(m.mode, fmt)
 
 
 # ---- the linears of a model, by HF name -------------------------------------------------------------------
@@ -216,7 +196,7 @@ def quantized_linears(hf_config: Any, precision: str, scope: str = "auto", side:
     """HF module names (without `.weight`) of the linears `precision` quantizes under `scope`, on `side`
     ("rollout" or "train"). Both sides quantize this same set, except that the trainer of a QuRL row
     (int8, fp8) and both sides of bf16 quantize nothing."""
-    p, scope, _ = resolve(precision, scope)
+    p, scope, _ = select(precision, scope)
     if side not in ("rollout", "train"):
         raise ValueError(f"side must be 'rollout' or 'train', got {side!r}")
     if (p.rollout is None) if side == "rollout" else not p.trains_quantized:

@@ -12,7 +12,8 @@ from qurl_mcore.quant.granularity import for_format
 
 def test_names_stand_for_the_types():
     assert GRANULARITIES == {"tensor": PerTensor(), "channel": PerRow(), "token": PerToken(), "block": PerBlock()}
-    assert as_granularity("channel") is GRANULARITIES["channel"] and as_granularity(PerBlock((2, 8))) == PerBlock((2, 8))
+    assert as_granularity("channel") is GRANULARITIES["channel"]
+    assert as_granularity(PerBlock((2, 8))) == PerBlock((2, 8))
     assert PerRow() != PerToken() and PerBlock((1, 16)) != PerBlock((1, 32))  # same grouping, other meaning
     assert [str(g) for g in GRANULARITIES.values()] == list(GRANULARITIES)
     with pytest.raises(ValueError, match=r"unknown granularity 'row'; use one of \['tensor', 'channel'"):
