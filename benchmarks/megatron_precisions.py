@@ -22,6 +22,7 @@ from qurl_mcore.megatron.parallel import destroy_parallel, init_parallel
 from qurl_mcore.megatron.spec import gpt_spec
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.precision import PRECISIONS
+from qurl_mcore.recipe import resolve
 
 VOCAB = 1024
 
@@ -30,7 +31,7 @@ def build(config, precision: str, scope: str, fmt: str | None):
     from megatron.core.models.gpt import GPTModel
 
     fmt = fmt if fmt in PRECISIONS[precision].formats else None
-    return GPTModel(config=config, transformer_layer_spec=gpt_spec(config, precision, scope, fmt),
+    return GPTModel(config=config, transformer_layer_spec=gpt_spec(config, resolve(precision, scope, fmt)),
                     vocab_size=VOCAB, max_sequence_length=4096, position_embedding_type="rope")
 
 

@@ -82,7 +82,7 @@ def main() -> None:
     print(f"\nlinear forward+backward [{args.tokens}x{args.hidden}] x [{args.hidden}x{args.hidden}] "
           f"(baseline: plain fp32 linear = {base * 1e3:.1f} ms)")
     print(f"{'mode':<14} {'format':<10} {'ms':>8} {'x plain':>8}")
-    for mode, fmt in [("bf16", None), ("naive", "int8"), ("naive", "fp8_e4m3"), ("naive", "nvfp4"),
+    for mode, fmt in [("bf16", None), ("rc_none", "int8"), ("rc_none", "fp8_e4m3"), ("rc_none", "nvfp4"),
                       ("rc_forward", "nvfp4"), ("rc_backward", "nvfp4"), ("rc_both", "nvfp4"),
                       ("rc_both", "mxfp4")]:
         spec = make_spec(mode, fmt)

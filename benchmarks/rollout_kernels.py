@@ -21,9 +21,9 @@ import itertools
 import torch
 from quant_throughput import median_seconds
 
-from qurl_mcore.precision import rollout_spec
 from qurl_mcore.quant import quantize_weight
 from qurl_mcore.quant.linear import quantized_linear
+from qurl_mcore.recipe import engine_recipe
 from qurl_mcore.sglang.options import REQUANTS
 
 DECODE_SHAPES = ((4096, 4096), (4096, 11008), (5120, 27648))  # [in, out]: 7B attention, 7B MLP, 32B MLP
@@ -39,7 +39,7 @@ def decode_speedups(device: str, shapes=DECODE_SHAPES, batches=DECODE_BATCHES, r
     for k, n in shapes:
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
         for fmt, method in (("int8", "qurl_int8"), ("fp8_e4m3", "qurl_fp8")):
-            spec = rollout_spec(method, fmt)
+            spec = engine_recipe(method, fmt).spec
             wq = quantize_weight(w, spec)
             for m in batches:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
@@ -75,7 +75,7 @@ def requant_ratios(device: str, shapes: list[tuple[int, int]],
     base = median_seconds(copy_all, repeats)
     ratios = {}
     for (method, fmt), (requant, quantizer) in itertools.product(formats, REQUANTS.items()):
-        spec = rollout_spec(method, fmt)
+        spec = engine_recipe(method, fmt).spec
         ratios[f"{fmt} {requant}"] = median_seconds(lambda: [quantizer(sources[s], spec) for s in shapes],
                                                     repeats) / base
     return base, ratios
@@ -106,7 +106,7 @@ def graph_replays(device: str = "cuda", shape=(4096, 4096), batch: int = 16, exp
     k, n = shape
     results = {}
     for method, fmt in GRAPH_METHODS:
-        spec = rollout_spec(method, fmt)
+        spec = engine_recipe(method, fmt).spec
         wq = quantize_weight(torch.randn(n, k, device=device, dtype=torch.bfloat16), spec)
         x = torch.randn(batch, k, device=device, dtype=torch.bfloat16)
         graph, y = _captured(lambda x: quantized_linear(x, wq, None, spec), x)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from .models import ARCHITECTURES, resolve_model_path
-from .precision import ALIGNMENT_ROWS, FP4_FORMATS, PRECISIONS, get_precision, resolve
+from .precision import ALIGNMENT_ROWS, FP4_FORMATS, PRECISIONS, get_precision, select
 
 # torch, SGLang, transformers and Megatron-Core (and the parts of qurl_mcore that import them: rollout, rl,
 # megatron, models.tiny) are imported in the functions that measure: the CLI's parser imports this module.
@@ -148,8 +148,9 @@ def training_model(precision: str, model_path: str, *, scope: str = "experts", f
     initialised)."""
     from .megatron.convert import load_hf_weights
     from .megatron.gpt import build_gpt
+    from .recipe import resolve
 
-    model = build_gpt(model_path, precision=precision, scope=scope, fmt=fmt)
+    model = build_gpt(model_path, recipe=resolve(precision, scope, fmt))
     load_hf_weights(model, model_path)
     return model.eval()
 
@@ -255,7 +256,7 @@ def stdout_to_stderr() -> Iterator[None]:
 def _row_format(name: str, scope: str, fmt: str) -> tuple[str, str | None]:
     """(scope, format) of precision `name`: `fmt` where the precision takes it, else its own format."""
     p = get_precision(name)
-    _, scope, fmt = resolve(name, scope, fmt if fmt in p.formats else None)
+    _, scope, fmt = select(name, scope, fmt if fmt in p.formats else None)
     return scope, fmt
 
 

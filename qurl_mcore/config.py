@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from qurl_mcore.precision import FP4_FORMATS, PRECISIONS, SCOPES, get_precision, resolve
+from qurl_mcore.precision import FP4_FORMATS, PRECISIONS, SCOPES, get_precision, select
 from qurl_mcore.rl import AGGREGATIONS, KL_ESTIMATORS, LOSSES
 from qurl_mcore.tasks import REWARDS
 
@@ -177,9 +177,17 @@ class Config:
         return choice is True or (choice == "auto" and cuda and self.layout == "colocated")
 
     def resolved_precision(self):
-        """(precision row, scope, format) with the defaults filled in (`qurl_mcore.precision.resolve`)."""
+        """(precision row, scope, format) with the defaults filled in (`qurl_mcore.precision.select`)."""
         p = get_precision(self.precision)
-        return resolve(self.precision, self.scope, self.fp4_format if self.fp4_format in p.formats else None)
+        return select(self.precision, self.scope, self.fp4_format if self.fp4_format in p.formats else None)
+
+    def recipe(self):
+        """The `qurl_mcore.recipe.Recipe` of precision, scope and FP4 format, for the process that builds a
+        model with it (it imports torch, which the schema and `qurl plan` do without)."""
+        from qurl_mcore.recipe import resolve
+
+        p, scope, fmt = self.resolved_precision()
+        return resolve(p.name, scope, fmt)
 
 
 class ConfigError(ValueError):

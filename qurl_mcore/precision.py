@@ -15,6 +15,9 @@ Routers, norms, embeddings and the output layer are never quantized.
 A precision whose trainer runs full precision while the engines quantize (QuRL's int8/fp8) quantizes
 nothing on the trainer by design: the behaviour policy is the quantized one and the loss corrects for it.
 Every other asymmetry is an ablation and is a named row of `PRECISIONS` (MoEResQ's one-sided RC rows).
+
+This module is the table, torch-free (`qurl --help`, `qurl plan`); `qurl_mcore.recipe.resolve` turns a choice
+of precision, scope and format into the `Recipe` that the trainer and the engines compute with.
 """
 from __future__ import annotations
 
@@ -45,9 +48,9 @@ class RolloutMethod:
 
 #: SGLang method name -> what it computes (`qurl_mcore.sglang` registers exactly these)
 METHODS: dict[str, RolloutMethod] = {m.name: m for m in (
-    RolloutMethod("qurl_int8", "naive", ("int8",)),  # W8A8: per-channel weights, per-token activations
-    RolloutMethod("qurl_fp8", "naive", ("fp8_e4m3",)),
-    RolloutMethod("qurl_fp4", "naive", FP4_FORMATS),  # weights and activations on the format's blocks
+    RolloutMethod("qurl_int8", "rc_none", ("int8",)),  # W8A8: per-channel weights, per-token activations
+    RolloutMethod("qurl_fp8", "rc_none", ("fp8_e4m3",)),
+    RolloutMethod("qurl_fp4", "rc_none", FP4_FORMATS),  # weights and activations on the format's blocks
     RolloutMethod("qurl_fp4_rc", "rc_forward", FP4_FORMATS),  # Y = Q(X)Q(W)ᵀ + Q(X−Q(X))Q(W)ᵀ
 )}
 
@@ -57,8 +60,9 @@ class Precision:
     """One row of `PRECISIONS`.
 
     `train` is the `qurl_mcore.quant` mode of the trainer's linears in scope ("bf16": full precision, the
-    stock Megatron linears); `train_granularity` "tensor" means one scale per tensor for weights,
-    activations and gradients (Transformer Engine's FP8 current scaling), None the format's defaults.
+    stock Megatron linears); `train_granularity` names the granularity (`qurl_mcore.quant.GRANULARITIES`) of
+    weights, activations and gradients, None the format's defaults: "tensor" is one scale per tensor, which
+    Transformer Engine's FP8 current scaling runs where it is installed.
     `rollout` is the engines' SGLang method, None for full-precision engines. `kind` says why the row exists.
     """
 
@@ -92,14 +96,14 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
               "INT8 W8A8 rollout, full-precision training (QuRL; importance correction, UAQ)"),
     Precision("fp8", "bf16", "qurl_fp8", "QuRL", "all",
               "FP8 E4M3 W8A8 rollout, full-precision training (QuRL)"),
-    Precision("fp8_e2e", "naive", "qurl_fp8", "ablation", "all",
+    Precision("fp8_e2e", "rc_none", "qurl_fp8", "ablation", "all",
               "FP8 training (one scale per tensor, Transformer Engine's current scaling) and FP8 W8A8 rollout",
               train_granularity="tensor"),
-    Precision("fp4", "naive", "qurl_fp4", "symmetric", "experts",
+    Precision("fp4", "rc_none", "qurl_fp4", "symmetric", "experts",
               "FP4 on both sides, no residual correction (MoEResQ's FP4 baseline row)"),
     Precision("fp4_rc", "rc_both", "qurl_fp4_rc", "symmetric", "experts",
               "FP4 with residual correction in training forward and backward and in rollout (MoEResQ)"),
-    Precision("fp4_rc_rollout", "naive", "qurl_fp4_rc", "ablation", "experts",
+    Precision("fp4_rc_rollout", "rc_none", "qurl_fp4_rc", "ablation", "experts",
               "residual correction in rollout only (MoEResQ's RC-inference row, RolloutResQ)"),
     Precision("fp4_rc_train", "rc_both", "qurl_fp4", "ablation", "experts",
               "residual correction in training only (MoEResQ's RC-training row)"),
@@ -116,9 +120,9 @@ def get_precision(name: str) -> Precision:
         raise ValueError(f"unknown precision {name!r}; use one of {list(PRECISIONS)}") from None
 
 
-def resolve(precision: str, scope: str = "auto", fmt: str | None = None) -> tuple[Precision, str, str | None]:
+def select(precision: str, scope: str = "auto", fmt: str | None = None) -> tuple[Precision, str, str | None]:
     """(row, scope, format) with the defaults filled in and every choice validated: `scope` "auto" is the
-    precision's default, `fmt` None its default format."""
+    precision's default, `fmt` None its default format. `qurl_mcore.recipe.resolve` builds the recipe on it."""
     p = get_precision(precision)
     if scope == "auto":
         scope = p.scope
@@ -144,37 +148,13 @@ def quantizes(scope: str, group: str) -> bool:
     return group in SCOPES[scope]
 
 
-def train_spec(precision: str, fmt: str | None = None):
-    """The `QuantLinearSpec` of the trainer's linears in scope (full precision for QuRL rows and bf16)."""
-    from qurl_mcore.quant import make_spec
-
-    p, _, fmt = resolve(precision, "auto", fmt)
-    if not p.trains_quantized:
-        return make_spec("bf16")
-    g = p.train_granularity
-    return make_spec(p.train, fmt, weight_granularity=g, act_granularity=g, grad_granularity=g)
-
-
-def rollout_spec(method: str, fmt: str | None = None):
-    """The `QuantLinearSpec` of an engine running `method` (the trainer's numerics, forward only)."""
-    from qurl_mcore.quant import make_spec
-
-    m = METHODS.get(method)
-    if m is None:
-        raise ValueError(f"unknown qurl quantization method {method!r}; use one of {list(METHODS)}")
-    fmt = fmt or m.formats[0]
-    if fmt not in m.formats:
-        raise ValueError(f"{method} runs in {list(m.formats)}, not {fmt!r}")
-    return make_spec(m.mode, fmt)
-
-
 # ---- the linears of a model, by HF name -------------------------------------------------------------------
 
 def quantized_linears(hf_config: Any, precision: str, scope: str = "auto", side: str = "rollout") -> set[str]:
     """HF module names (without `.weight`) of the linears `precision` quantizes under `scope`, on `side`
     ("rollout" or "train"). Both sides quantize this same set, except that the trainer of a QuRL row
     (int8, fp8) and both sides of bf16 quantize nothing."""
-    p, scope, _ = resolve(precision, scope)
+    p, scope, _ = select(precision, scope)
     if side not in ("rollout", "train"):
         raise ValueError(f"side must be 'rollout' or 'train', got {side!r}")
     if (p.rollout is None) if side == "rollout" else not p.trains_quantized:

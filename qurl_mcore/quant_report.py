@@ -10,12 +10,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .quant import FORMATS, WEIGHT_BLOCK, QTensor, fake_quantize, quantize, residual_fake_quantize
+from .quant import WEIGHT_BLOCK, PerBlock, PerRow, QTensor, fake_quantize, quantize, residual_fake_quantize
 
 #: (format, granularity) pairs worth comparing on a weight: W8 per channel as QuRL rolls out, 8-bit 128x128
 #: blocks as DeepSeek-style FP8 training does, FP4 on its own blocks as MoEResQ does.
-WEIGHT_CASES = [(f, "channel") for f in ("int8", "fp8_e4m3", "fp8_e5m2")] + \
-    [(f, "block") for f in ("int8", "fp8_e4m3")] + [("nvfp4", "block"), ("mxfp4", "block")]
+WEIGHT_CASES = [(f, PerRow()) for f in ("int8", "fp8_e4m3", "fp8_e5m2")] + \
+    [(f, PerBlock(WEIGHT_BLOCK)) for f in ("int8", "fp8_e4m3")] + [("nvfp4", PerBlock()), ("mxfp4", PerBlock())]
 
 
 @dataclass
@@ -40,11 +40,10 @@ def measure(w: torch.Tensor, cases=WEIGHT_CASES) -> list[Row]:
     rows = []
     norm = w.norm()
     for fmt, gran in cases:
-        block = WEIGHT_BLOCK if gran == "block" and not FORMATS[fmt].is_fp4 else None
-        err_q = float((fake_quantize(w, fmt, gran, block_shape=block) - w).norm() / norm)
-        err_rc = float((residual_fake_quantize(w, fmt, gran, block_shape=block) - w).norm() / norm)
-        bits = bits_per_element(quantize(w, fmt, gran, block_shape=block))
-        rows.append(Row(fmt, gran, bits, err_q, err_rc, err_q / err_rc))
+        err_q = float((fake_quantize(w, fmt, gran) - w).norm() / norm)
+        err_rc = float((residual_fake_quantize(w, fmt, gran) - w).norm() / norm)
+        bits = bits_per_element(quantize(w, fmt, gran))
+        rows.append(Row(fmt, str(gran), bits, err_q, err_rc, err_q / err_rc))
     return rows
 
 

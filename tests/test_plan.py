@@ -176,10 +176,10 @@ def test_activations_by_hand():
                                         ("qurl_fp4", "mxfp4")])
 @pytest.mark.parametrize("shape", [(96, 64), (48, 72)])
 def test_weight_format_bytes_equal_real_quantized_weights(method, fmt, shape):
-    from qurl_mcore.precision import rollout_spec
     from qurl_mcore.quant import quantize_weight
+    from qurl_mcore.recipe import engine_recipe
 
-    q = quantize_weight(torch.randn(shape), rollout_spec(method, fmt))
+    q = quantize_weight(torch.randn(shape), engine_recipe(method, fmt).spec)
     real = sum(t.numel() * t.element_size() for t in (q.data, q.scale, q.global_scale) if t is not None)
     assert WEIGHT_FORMATS[fmt].nbytes(*shape) == real
 

@@ -1,4 +1,5 @@
-"""The precision table: one name per way of running both sides, and the same linears quantized on both.
+"""The precision table: one name per way of running both sides, and the same linears quantized on both;
+the recipe resolved from it once.
 
 The symmetry tests build the real Megatron model (every precision x scope x architecture, in this process)
 and start real SGLang engines (`slow`: one per architecture x scope), and compare the linears each
@@ -15,9 +16,10 @@ from qurl_mcore.models import ARCHITECTURES
 from qurl_mcore.models.registry import hf_linears
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.precision import (
-    ALIGNMENT_ROWS, METHODS, PRECISIONS, SCOPES, default_scope, get_precision, markdown_table,
-    quantized_linears, resolve, rollout_spec, train_spec,
+    ALIGNMENT_ROWS, FP4_FORMATS, METHODS, PRECISIONS, SCOPES, default_scope, get_precision, markdown_table,
+    quantized_linears, select,
 )
+from qurl_mcore.recipe import engine_recipe, resolve
 
 DOC = Path(__file__).parents[1] / "docs" / "precision.md"
 
@@ -31,25 +33,52 @@ def test_every_row_names_real_methods_modes_and_formats():
         assert all(f in FORMATS for f in p.formats)
         assert p.kind in ("reference", "QuRL", "symmetric", "ablation")
         if p.kind == "symmetric":  # both sides run the same numerics in the forward
-            assert train_spec(p.name).fmt == rollout_spec(p.rollout).fmt
-            assert train_spec(p.name).rc_forward == rollout_spec(p.rollout).rc_forward
+            assert resolve(p.name).train.fmt == engine_recipe(p.rollout).spec.fmt
+            assert resolve(p.name).train.rc_forward == engine_recipe(p.rollout).spec.rc_forward
     assert [PRECISIONS[n].kind for n in ALIGNMENT_ROWS] == ["reference", "symmetric", "ablation", "ablation",
                                                             "symmetric"]
     assert {p.name for p in PRECISIONS.values() if p.uaq} == {"int8", "fp8"}
 
 
-def test_resolve_fills_defaults_and_refuses_what_a_precision_does_not_take():
-    assert resolve("int8") == (PRECISIONS["int8"], "all", "int8")
-    assert resolve("fp4_rc", "auto", "mxfp4") == (PRECISIONS["fp4_rc"], "experts", "mxfp4")
-    assert resolve("bf16", "experts") == (PRECISIONS["bf16"], "experts", None)
-    with pytest.raises(ValueError, match="unknown precision 'rc_training'"):
-        resolve("rc_training")
-    with pytest.raises(ValueError, match="unknown scope 'attention'"):
-        resolve("fp4", "attention")
-    with pytest.raises(ValueError, match=r"precision 'int8' runs in \['int8'\], not 'nvfp4'"):
-        resolve("int8", "all", "nvfp4")
+def test_select_fills_defaults_and_refuses_what_a_precision_does_not_take():
+    assert select("int8") == (PRECISIONS["int8"], "all", "int8")
+    assert select("fp4_rc", "auto", "mxfp4") == (PRECISIONS["fp4_rc"], "experts", "mxfp4")
+    assert select("bf16", "experts") == (PRECISIONS["bf16"], "experts", None)
+    for choose in (select, resolve):  # the recipe is built on the same choice
+        with pytest.raises(ValueError, match="unknown precision 'rc_training'"):
+            choose("rc_training")
+        with pytest.raises(ValueError, match="unknown scope 'attention'"):
+            choose("fp4", "attention")
+        with pytest.raises(ValueError, match=r"precision 'int8' runs in \['int8'\], not 'nvfp4'"):
+            choose("int8", "all", "nvfp4")
     assert default_scope("qurl_int8") == "all" and default_scope("qurl_fp4_rc") == "experts"
     assert get_precision("fp4_rc_rollout").rollout == "qurl_fp4_rc"
+
+
+def test_a_recipe_holds_both_sides():
+    from qurl_mcore.quant import FORMATS, Family, make_spec
+
+    r = resolve("fp4_rc_rollout", fmt="mxfp4")
+    assert (r.precision, r.scope, r.fmt, r.format) == (PRECISIONS["fp4_rc_rollout"], "experts", "mxfp4",
+                                                       FORMATS["mxfp4"])
+    assert r.train == make_spec("rc_none", "mxfp4") and r.train_groups == {"experts", "mlp"}
+    assert (r.engine.method, r.engine.spec) == ("qurl_fp4_rc", make_spec("rc_forward", "mxfp4"))
+    assert r.groups("rollout") == r.groups("train") == SCOPES["experts"]
+    quru = resolve("int8")  # QuRL: a full-precision trainer, quantized engines on every group
+    assert not quru.train.quantized and quru.groups("train") == frozenset()
+    assert quru.groups("rollout") == SCOPES["all"] and not quru.te
+    bf16 = resolve("bf16", "all")
+    assert bf16.engine is None and bf16.format is None and bf16.groups("rollout") == bf16.groups("train") == set()
+    with pytest.raises(ValueError, match="side must be 'rollout' or 'train'"):
+        bf16.groups("engine")
+    # the engines' half is what an engine builds from its method and options alone
+    assert r.engine == engine_recipe("qurl_fp4_rc", "mxfp4", "experts")
+    assert engine_recipe("qurl_int8") == quru.engine
+    with pytest.raises(ValueError, match="unknown qurl quantization method 'qurl_int4'"):
+        engine_recipe("qurl_int4")
+    with pytest.raises(ValueError, match=r"qurl_fp8 runs in \['fp8_e4m3'\], not 'nvfp4'"):
+        engine_recipe("qurl_fp8", "nvfp4")
+    assert FP4_FORMATS == tuple(n for n, f in FORMATS.items() if f.family is Family.FP4)
 
 
 def test_linear_sets_by_hand():
@@ -78,7 +107,7 @@ def test_megatron_quantizes_the_tables_linears(megatron_ws1, arch, precision, sc
     from qurl_mcore.megatron import quantized_linears as megatron_quantized
 
     path = tiny_checkpoint(arch)
-    model = build_gpt(path, precision=precision, scope=scope)
+    model = build_gpt(path, recipe=resolve(precision, scope))
     assert megatron_quantized(model, path) == quantized_linears(path, precision, scope, side="train")
 
 

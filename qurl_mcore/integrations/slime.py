@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from qurl_mcore.config import UAQConfig
-from qurl_mcore.precision import Precision, resolve
+from qurl_mcore.precision import Precision, select
+from qurl_mcore.recipe import resolve
 from qurl_mcore.rl import metrics as M
 from qurl_mcore.rl.losses import policy_loss
 
@@ -159,7 +160,7 @@ def precision_of(args: Namespace) -> tuple[Precision, str, str | None]:
     if name is None:
         raise ValueError("qurl_precision is not set: put e.g. 'qurl_precision: int8' (a row of "
                          "qurl_mcore/precision.py) in the YAML of --custom-config-path")
-    p, scope, fmt = resolve(name, getattr(args, "qurl_scope", "auto"), getattr(args, "qurl_fp4_format", None))
+    p, scope, fmt = select(name, getattr(args, "qurl_scope", "auto"), getattr(args, "qurl_fp4_format", None))
     method = getattr(args, "sglang_quantization", None)
     if method != p.rollout:
         raise ValueError(f"qurl_precision {p.name!r} rolls out with {p.rollout!r} but the engines run "
@@ -209,7 +210,7 @@ def gpt_model(args: Namespace, config, *, pre_process: bool = True, post_process
         raise ValueError("slime gives experts global indices only under Transformer Engine's grouped-GEMM names "
                          "(update_weight/common.py:224-231), not gpt_spec's SequentialMLP: use "
                          "--expert-model-parallel-size 1")
-    spec = gpt_spec(config, p.name, scope, fmt)
+    spec = gpt_spec(config, resolve(p.name, scope, fmt))
     if importlib.util.find_spec("transformer_engine") is not None:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
 

@@ -39,7 +39,6 @@ from qurl_mcore import checkpoint as ckpt
 from qurl_mcore.config import Config
 from qurl_mcore.models import resolve_model_path
 from qurl_mcore.models.registry import num_experts
-from qurl_mcore.precision import quantizes, rollout_spec
 from qurl_mcore.rl.losses import aggregation_units, policy_loss
 from qurl_mcore.rollout import HttpEngine, WeightPushError, WeightSpecError
 from qurl_mcore.rollout.broadcast import broadcast_weights, close_weight_group, open_weight_group
@@ -85,9 +84,9 @@ class PolicyTrainer:
         self.device = current_device()
         self.hf_dir = resolve_model_path(cfg.model.path)
         self.hf = load_hf_config(self.hf_dir)
-        precision, scope, fmt = cfg.resolved_precision()
-        build = dict(precision=precision.name, scope=scope, fmt=fmt, dtype=cfg.train_dtype(),
-                     recompute=t.recompute, calculate_per_token_loss=True)
+        self.recipe = cfg.recipe()  # resolved here, where the model is built (Transformer Engine or not)
+        build = dict(recipe=self.recipe, dtype=cfg.train_dtype(), recompute=t.recompute,
+                     calculate_per_token_loss=True)
         self.model = build_gpt(self.hf_dir, **build)
         load_hf_weights(self.model, self.hf_dir)
         if cfg.uaq.enabled:
@@ -317,15 +316,17 @@ class PolicyTrainer:
     def _capture_before(self):
         """The rollout codes' inputs before the update: the weights of the linears the engines quantize."""
         from qurl_mcore.megatron import linear_group, quantized_weights
-        precision, scope, fmt = self.cfg.resolved_precision()
-        if precision.rollout is None or not self.cfg.logging.update_capture:
+
+        engine = self.recipe.engine
+        if engine is None or not self.cfg.logging.update_capture:
             return None
-        in_scope = lambda name: (g := linear_group(name)) is not None and quantizes(scope, g)  # noqa: E731
-        return rollout_spec(precision.rollout, fmt), quantized_weights(self.model, in_scope)
+        in_scope = lambda name: linear_group(name) in engine.groups  # noqa: E731
+        return engine.spec, quantized_weights(self.model, in_scope)
 
     def _capture_after(self, capture) -> float:
         """Share of rollout-quantized weight codes this update changed (this rank's shards)."""
         from qurl_mcore.megatron import quantized_weights
+
         spec, before = capture
         after = quantized_weights(self.model, lambda name: name in before)
         return update_capture_ratio(before, after, spec.fmt, spec.weight_granularity)

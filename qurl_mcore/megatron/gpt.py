@@ -21,9 +21,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from qurl_mcore.models.registry import architecture
-from qurl_mcore.precision import train_spec
+from qurl_mcore.recipe import Recipe
 
-from .spec import gpt_spec, te_fp8_available
+from .spec import as_recipe, gpt_spec
 
 
 def load_hf_config(hf: Any):
@@ -110,28 +110,27 @@ RECOMPUTE: dict[str, dict[str, Any]] = {
 
 
 def build_gpt(
-    hf_config, *, precision: str = "bf16", scope: str = "auto", fmt: str | None = None,
-    dtype: torch.dtype = torch.float32, recompute: str = "none", core_attention: str | None = None,
-    **overrides: Any
+    hf_config, *, recipe: Recipe | None = None, dtype: torch.dtype = torch.float32, recompute: str = "none",
+    core_attention: str | None = None, **overrides: Any
 ):
     """A randomly initialised GPTModel shaped like `hf_config` (object or checkpoint dir), its linears
-    following the trainer side of `precision` under `scope`/`fmt` (see `gpt_spec`), its parameters `dtype`
-    on the current device (the CUDA device when there is one), recomputing activations as `recompute` says
-    (`RECOMPUTE`), with the core attention `core_attention` (`spec.CORE_ATTENTION`; by default SDPA on CUDA,
-    Megatron's local one on the CPU). Load weights with `convert.load_hf_weights`. FP8 training on Transformer
-    Engine gets Megatron's fp8 settings."""
+    following the trainer side of `recipe` (`qurl_mcore.recipe.resolve`; None: full precision; see
+    `gpt_spec`), its parameters `dtype` on the current device (the CUDA device when there is one), recomputing
+    activations as `recompute` says (`RECOMPUTE`), with the core attention `core_attention`
+    (`spec.CORE_ATTENTION`; by default SDPA on CUDA, Megatron's local one on the CPU). Load weights with
+    `convert.load_hf_weights`. FP8 training on Transformer Engine (`Recipe.te`) gets Megatron's fp8 settings."""
+    recipe = as_recipe(recipe)
     hf = load_hf_config(hf_config)
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; use one of {list(RECOMPUTE)}")
-    if train_spec(precision, fmt).weight_granularity == "tensor" and te_fp8_available():
+    if recipe.te:
         overrides = {"fp8": "e4m3", "fp8_recipe": "tensorwise", **overrides}
     overrides = {"params_dtype": dtype, "pipeline_dtype": dtype, "bf16": dtype == torch.bfloat16,
                  "use_cpu_initialization": not torch.cuda.is_available(), **RECOMPUTE[recompute], **overrides}
     config = gpt_config(hf, **overrides)
     return GPTModel(
         config=config,
-        transformer_layer_spec=gpt_spec(config, precision=precision, scope=scope, fmt=fmt,
-                                        core_attention=core_attention),
+        transformer_layer_spec=gpt_spec(config, recipe, core_attention=core_attention),
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,

@@ -1,7 +1,7 @@
-"""`gpt_spec`: the GPT block spec (dense or MoE) of a precision and scope (`qurl_mcore.precision`), derived
-from Megatron's local spec (`get_gpt_layer_local_spec`) by swapping only the linears of the groups the scope
-quantizes. Which Megatron parameter belongs to which linear group is its slot's `group` in the architecture
-table (`qurl_mcore.models`); the spec swaps, per group, the Megatron submodules below:
+"""`gpt_spec`: the GPT block spec (dense or MoE) of a recipe (`qurl_mcore.recipe`), derived from Megatron's
+local spec (`get_gpt_layer_local_spec`) by swapping only the linears of the groups the trainer quantizes
+(`Recipe.train_groups`). Which Megatron parameter belongs to which linear group is its slot's `group` in the
+architecture table (`qurl_mcore.models`); the spec swaps, per group, the Megatron submodules below:
 
   attention       self_attention's linear_qkv (column) and linear_proj (row)
   mlp, experts,   the MLP's linear_fc1 (column) and linear_fc2 (row): the dense MLP, every routed expert's,
@@ -14,8 +14,6 @@ what `qurl plan` sizes) or Megatron's unfused local one (the default on the CPU,
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -25,7 +23,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from qurl_mcore.models.registry import megatron_slot
-from qurl_mcore.precision import get_precision, quantizes, resolve, train_spec
+from qurl_mcore.recipe import Recipe, resolve, te_fp8_available
 
 from .attention import SDPAttention
 from .layers import QuantColumnParallelLinear, QuantRowParallelLinear, SequenceParallelNorm
@@ -61,39 +59,43 @@ def default_attention() -> str:
     return "sdpa" if torch.cuda.is_available() else "local"
 
 
-def te_fp8_available() -> bool:
-    """Whether FP8 training runs on Transformer Engine (a CUDA device and TE importable) rather than on the
-    `qurl_mcore.quant` emulation."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+def as_recipe(recipe: Recipe | None) -> Recipe:
+    """`recipe`, or full precision for None; a precision's name is refused (resolve it once, where the model
+    is built, and pass the recipe on)."""
+    if recipe is None:
+        return resolve("bf16")
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"expected a Recipe, got {recipe!r}: pass qurl_mcore.recipe.resolve(precision, scope, fmt)")
+    return recipe
 
 
-def _linears(precision: str, fmt: str | None) -> tuple[object, object]:
-    """(column, row) linear specs of a precision that trains quantized."""
-    spec = train_spec(precision, fmt)
-    if spec.weight_granularity == "tensor" and te_fp8_available():  # TE kernels under Megatron's fp8_autocast
+def _linears(recipe: Recipe) -> tuple[object, object]:
+    """(column, row) linear specs of a recipe that trains quantized."""
+    if recipe.te:  # TE kernels under Megatron's fp8_autocast
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
 
         return TEColumnParallelLinear, TERowParallelLinear
-    return (ModuleSpec(module=QuantColumnParallelLinear, params={"quant": spec}),
-            ModuleSpec(module=QuantRowParallelLinear, params={"quant": spec}))
+    return (ModuleSpec(module=QuantColumnParallelLinear, params={"quant": recipe.train}),
+            ModuleSpec(module=QuantRowParallelLinear, params={"quant": recipe.train}))
 
 
-def _check_config(config: TransformerConfig, precision: str, fmt: str | None) -> None:
-    if train_spec(precision, fmt).weight_granularity == "tensor" and te_fp8_available() and config.fp8 is None:
-        raise ValueError(f"precision {precision!r} on Transformer Engine needs config.fp8='e4m3' and "
+def _check_config(config: TransformerConfig, recipe: Recipe) -> None:
+    if recipe.te and config.fp8 is None:
+        raise ValueError(f"precision {recipe.precision.name!r} on Transformer Engine needs config.fp8='e4m3' and "
                          "config.fp8_recipe='tensorwise' so that Megatron enters fp8_autocast")
     if config.num_moe_experts and config.moe_grouped_gemm:
         raise ValueError("gpt_spec builds SequentialMLP experts; set moe_grouped_gemm=False")
 
 
-def gpt_spec(config: TransformerConfig, precision: str = "bf16", scope: str = "auto",
-             fmt: str | None = None, core_attention: str | None = None) -> TransformerBlockSubmodules:
-    """The GPT block spec for `config` with the trainer side of `precision` applied to the linears `scope`
-    selects. Pass the result as `GPTModel(transformer_layer_spec=...)`. A full-precision trainer gets
-    Megatron's local spec unchanged (apart from the norm under sequence parallelism, which the stock torch
-    norm refuses). `core_attention`: a key of `CORE_ATTENTION`, by default `default_attention()`."""
-    _, scope, fmt = resolve(precision, scope, fmt)
-    _check_config(config, precision, fmt)
+def gpt_spec(config: TransformerConfig, recipe: Recipe | None = None,
+             core_attention: str | None = None) -> TransformerBlockSubmodules:
+    """The GPT block spec for `config` with the trainer side of `recipe` (None: full precision) applied to the
+    linears of its `train_groups`. Pass the result as `GPTModel(transformer_layer_spec=...)`. A
+    full-precision trainer gets Megatron's local spec unchanged (apart from the norm under sequence
+    parallelism, which the stock torch norm refuses). `core_attention`: a key of `CORE_ATTENTION`, by
+    default `default_attention()`."""
+    recipe = as_recipe(recipe)
+    _check_config(config, recipe)
     layer = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=False,
         qk_layernorm=config.qk_layernorm, normalization=config.normalization,
@@ -110,8 +112,8 @@ def gpt_spec(config: TransformerConfig, precision: str = "bf16", scope: str = "a
         final_norm = sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelNorm
         if config.qk_layernorm:
             attention.q_layernorm = attention.k_layernorm = SequenceParallelNorm
-    if get_precision(precision).trains_quantized:
-        column, row = _linears(precision, fmt)
+    if recipe.train_groups:
+        column, row = _linears(recipe)
         slots = {"attention": [attention]}
         if config.num_moe_experts:
             slots["experts"] = [sub.mlp.submodules.experts.submodules]
@@ -119,7 +121,7 @@ def gpt_spec(config: TransformerConfig, precision: str = "bf16", scope: str = "a
         else:
             slots["mlp"] = [sub.mlp.submodules]
         for group, subs in slots.items():
-            if not quantizes(scope, group):
+            if group not in recipe.train_groups:
                 continue
             for s in subs:
                 if group == "attention":

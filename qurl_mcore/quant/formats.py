@@ -6,6 +6,7 @@ Every function here maps *already scaled* values to a format's grid and back; ch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
@@ -21,33 +22,67 @@ INT8_MAX = 127.0
 E8M0_BIAS = 127
 
 
+class Family(Enum):
+    """What a format's elements are: integers, 8-bit floats, or 4-bit E2M1 floats on blocks."""
+
+    INT = "int"
+    FP8 = "fp8"
+    FP4 = "fp4"
+
+
+class ScaleEncoding(Enum):
+    """How a format stores its scales: (bytes of one group's scale, bytes of one per-tensor scale)."""
+
+    FP32 = (4, 0)  # one fp32 scale per group
+    E4M3_FP32 = (1, 4)  # NVFP4: an E4M3 scale per block times an fp32 scale per tensor
+    E8M0 = (1, 0)  # MXFP4: a power-of-two scale per block, stored as a biased 8-bit exponent
+
+
+#: GEMM kernels that take a format's codes as stored: `quant.gemm`'s backends (torch._int_mm, torch._scaled_mm)
+#: and SGLang's W8A8 kernels (`qurl_mcore.sglang.kernels`), with per-tensor/row scales
+INT_MM, SCALED_MM, SGLANG_W8A8 = "int8", "fp8", "sglang_w8a8"
+
+
 @dataclass(frozen=True)
 class FormatSpec:
-    """What a format stores per element and how its scales are encoded.
-
-    `scale_encoding`: "fp32" (one float scale per group), "e4m3_fp32" (NVFP4: E4M3 block scale times an FP32
-    per-tensor scale) or "e8m0" (MXFP4: power-of-two scale stored as a biased 8-bit exponent).
-    `block` is the format's own block length along the last (reduction) dimension, or None.
-    """
+    """A format's facts: its element `family` and `bits`, its largest value, the dtype that stores its codes
+    (FP4: two per uint8), its scale encoding, its own block length along the last (reduction) dimension
+    (None: scales follow the granularity) and the GEMM `kernels` that take it (`INT_MM`, `SCALED_MM`,
+    `SGLANG_W8A8`; emulation takes every format)."""
 
     name: str
+    family: Family
+    bits: int
     max_value: float
     storage_dtype: torch.dtype
-    scale_encoding: str
+    scale_encoding: ScaleEncoding
     block: int | None = None
+    kernels: frozenset[str] = frozenset()
 
     @property
     def is_fp4(self) -> bool:
-        return self.name in ("nvfp4", "mxfp4")
+        return self.family is Family.FP4
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of one group's scale (a row's, a block's)."""
+        return self.scale_encoding.value[0]
+
+    @property
+    def tensor_scale_bytes(self) -> int:
+        """Bytes of the per-tensor scale on top of the group scales (NVFP4's fp32 one), else 0."""
+        return self.scale_encoding.value[1]
 
 
-FORMATS: dict[str, FormatSpec] = {
-    "int8": FormatSpec("int8", INT8_MAX, torch.int8, "fp32"),
-    "fp8_e4m3": FormatSpec("fp8_e4m3", E4M3_MAX, torch.float8_e4m3fn, "fp32"),
-    "fp8_e5m2": FormatSpec("fp8_e5m2", E5M2_MAX, torch.float8_e5m2, "fp32"),
-    "nvfp4": FormatSpec("nvfp4", E2M1_MAX, torch.uint8, "e4m3_fp32", block=16),
-    "mxfp4": FormatSpec("mxfp4", E2M1_MAX, torch.uint8, "e8m0", block=32),
-}
+FORMATS: dict[str, FormatSpec] = {f.name: f for f in (
+    FormatSpec("int8", Family.INT, 8, INT8_MAX, torch.int8, ScaleEncoding.FP32,
+               kernels=frozenset({INT_MM, SGLANG_W8A8})),
+    FormatSpec("fp8_e4m3", Family.FP8, 8, E4M3_MAX, torch.float8_e4m3fn, ScaleEncoding.FP32,
+               kernels=frozenset({SCALED_MM, SGLANG_W8A8})),
+    FormatSpec("fp8_e5m2", Family.FP8, 8, E5M2_MAX, torch.float8_e5m2, ScaleEncoding.FP32),
+    FormatSpec("nvfp4", Family.FP4, 4, E2M1_MAX, torch.uint8, ScaleEncoding.E4M3_FP32, block=16),
+    FormatSpec("mxfp4", Family.FP4, 4, E2M1_MAX, torch.uint8, ScaleEncoding.E8M0, block=32),
+)}
 
 
 def get_format(fmt: str) -> FormatSpec:
@@ -65,8 +100,8 @@ def encode(scaled: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
     INT8 -> int8 values; FP8 -> torch.float8_* values; FP4 -> uint8 E2M1 codes, one per element (unpacked).
     """
     clamped = scaled.clamp_(-spec.max_value, spec.max_value)
-    if spec.name == "int8":
-        return clamped.round_().to(torch.int8)  # torch's round is half-to-even
+    if spec.family is Family.INT:
+        return clamped.round_().to(spec.storage_dtype)  # torch's round is half-to-even
     if spec.is_fp4:
         return e2m1_encode(clamped)
     return clamped.to(spec.storage_dtype)  # torch's float8 cast is RNE

@@ -7,29 +7,27 @@
             the reference that the CPU path of the trainer and the rollout engine share.
 "int8":     torch._int_mm (exact int32 accumulation), then the two scale vectors.
 "fp8":      torch._scaled_mm on E4M3 operands with row-wise scales.
-"auto" picks a kernel only for CUDA tensors whose format, granularity and shape the kernel supports.
+"auto" picks a kernel only for CUDA tensors whose format, granularity and shape the kernel supports: the
+format names its kernels (`FormatSpec.kernels`), the granularities must give one scale per row or tensor.
 """
 from __future__ import annotations
 
 import torch
 
+from .formats import INT_MM, SCALED_MM
 from .qtensor import QTensor
 
-BACKENDS = ("auto", "emulated", "int8", "fp8")
-_ROWWISE = ("tensor", "channel", "token")
+KERNELS = (INT_MM, SCALED_MM)
+BACKENDS = ("auto", "emulated", *KERNELS)
 
 
 def _kernel_for(a: QTensor, b: QTensor) -> str | None:
     """The kernel that can run a · bᵀ exactly as quantized, or None."""
-    if a.fmt != b.fmt or a.granularity not in _ROWWISE or b.granularity not in _ROWWISE:
+    if a.fmt != b.fmt or not (a.granularity.rowwise and b.granularity.rowwise):
         return None
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
         return None
-    if a.fmt == "int8":
-        return "int8"
-    if a.fmt == "fp8_e4m3":
-        return "fp8"
-    return None
+    return next((k for k in KERNELS if k in a.spec.kernels), None)
 
 
 #: torch._int_mm on CUDA needs more than 16 rows: decode shapes (a few tokens) are padded with zero rows
@@ -37,7 +35,7 @@ _INT_MM_MIN_ROWS = 17
 
 
 def _cuda_shape_ok(kernel: str, m: int, n: int, k: int) -> bool:
-    if kernel == "int8":  # cuBLASLt int8 constraints as enforced by torch._int_mm (rows: padded, below)
+    if kernel == INT_MM:  # cuBLASLt int8 constraints as enforced by torch._int_mm (rows: padded, below)
         return k % 8 == 0 and n % 8 == 0
     return k % 16 == 0 and n % 16 == 0
 
@@ -77,7 +75,7 @@ def quantized_matmul(a: QTensor, b: QTensor, *, backend: str = "auto", out_dtype
         )
     (m, _), n = a.shape, b.shape[0]
     scale_a, scale_b = _row_scales(a, m), _row_scales(b, n).t()
-    if kernel == "int8":
+    if kernel == INT_MM:
         codes = _codes_2d(a)
         if m < _INT_MM_MIN_ROWS:  # zero rows add nothing to the rows kept; the kernel instead of a dequantize
             codes = torch.nn.functional.pad(codes, (0, 0, 0, _INT_MM_MIN_ROWS - m))

@@ -5,8 +5,9 @@ With RC(t) = Q(t) + Q(t - Q(t)) and Q̃ = RC or Q as the mode says:
   backward  dX = Q̃_bwd(dY) · Q(W)
             dW = Q̃_bwd(dY)ᵀ · Q̃_bwd(X)
             db = Σ_tokens dY
-Modes (the MoEResQ ablation): "bf16" (no quantization), "naive" (Q everywhere), "rc_forward" (RC in the
-forward only), "rc_backward" (RC in the backward only), "rc_both" (RC in both: the symmetric recipe).
+Modes name where RC applies, MoEResQ's ablation axis: "bf16" (no quantization), "rc_none" (Q everywhere, no
+residual correction: MoEResQ's plain-FP4 baseline row), "rc_forward" (RC in the forward only), "rc_backward"
+(RC in the backward only), "rc_both" (RC in both: the symmetric recipe).
 Each operand is quantized along its last dim with its own granularity (W per channel/block, X and dY per
 token/block), the simulated-quantization convention of the papers.
 """
@@ -20,22 +21,22 @@ import torch
 from .fake import residual_quantize
 from .formats import get_format
 from .gemm import BACKENDS, quantized_matmul
-from .qtensor import ACT_BLOCK, GRANULARITIES, QTensor, quantize, row_grouped
+from .granularity import GRANULARITIES, Granularity, PerBlock, PerRow, PerToken, for_format
+from .qtensor import QTensor, quantize
 
-MODES = ("bf16", "naive", "rc_forward", "rc_backward", "rc_both")
+MODES = ("bf16", "rc_none", "rc_forward", "rc_backward", "rc_both")
 
 
 @dataclass(frozen=True)
 class QuantLinearSpec:
-    """How one linear layer quantizes. Build it with `make_spec`, which fills format-appropriate defaults."""
+    """How one linear layer quantizes. Build it with `make_spec`, which fills format-appropriate defaults (the
+    granularities as `quantize` applies them, blocks with their size)."""
 
     mode: str = "bf16"
     fmt: str | None = None
-    weight_granularity: str = "channel"
-    act_granularity: str = "token"
-    grad_granularity: str = "token"
-    weight_block: tuple[int, int] | None = None
-    act_block: tuple[int, int] | None = None
+    weight_granularity: Granularity = PerRow()
+    act_granularity: Granularity = PerToken()
+    grad_granularity: Granularity = PerToken()
     backend: str = "auto"
 
     @property
@@ -55,15 +56,13 @@ def make_spec(
     mode: str,
     fmt: str | None = None,
     *,
-    weight_granularity: str | None = None,
-    act_granularity: str | None = None,
-    grad_granularity: str | None = None,
-    weight_block: tuple[int, int] | None = None,
-    act_block: tuple[int, int] | None = None,
+    weight_granularity: Granularity | str | None = None,
+    act_granularity: Granularity | str | None = None,
+    grad_granularity: Granularity | str | None = None,
     backend: str = "auto",
 ) -> QuantLinearSpec:
-    """A validated spec. Defaults: FP4 formats use their own blocks everywhere; INT8/FP8 use per-channel
-    weights and per-token activations and gradients (W8A8)."""
+    """A validated spec; a granularity is a `Granularity` or its name. Defaults: FP4 formats use their own
+    blocks everywhere; INT8/FP8 use per-channel weights and per-token activations and gradients (W8A8)."""
     if mode not in MODES:
         raise ValueError(f"unknown quantized-linear mode {mode!r}; use one of {list(MODES)}")
     if backend not in BACKENDS:
@@ -74,21 +73,23 @@ def make_spec(
         return QuantLinearSpec(backend=backend)
     if fmt is None:
         raise ValueError(f"mode {mode!r} needs a format: fmt= one of int8, fp8_e4m3, fp8_e5m2, nvfp4, mxfp4")
-    default = "block" if get_format(fmt).is_fp4 else None
+    spec = get_format(fmt)
+    default = PerBlock() if spec.is_fp4 else None
     grans = {
-        "weight_granularity": weight_granularity or default or "channel",
-        "act_granularity": act_granularity or default or "token",
-        "grad_granularity": grad_granularity or default or "token",
+        "weight_granularity": weight_granularity or default or PerRow(),
+        "act_granularity": act_granularity or default or PerToken(),
+        "grad_granularity": grad_granularity or default or PerToken(),
     }
     for name, value in grans.items():
-        if value not in GRANULARITIES:
+        if isinstance(value, str) and value not in GRANULARITIES:
             raise ValueError(f"{name}={value!r} is not a granularity; use one of {list(GRANULARITIES)}")
-    return QuantLinearSpec(mode, fmt, weight_block=weight_block, act_block=act_block, backend=backend, **grans)
+    grans = {name: for_format(value, spec) for name, value in grans.items()}
+    return QuantLinearSpec(mode, fmt, backend=backend, **grans)
 
 
 def quantize_weight(weight: torch.Tensor, spec: QuantLinearSpec) -> QTensor:
     """Q(W) as the layer uses it; the rollout engine calls this once per weight update."""
-    return quantize(weight, spec.fmt, spec.weight_granularity, block_shape=spec.weight_block)
+    return quantize(weight, spec.fmt, spec.weight_granularity)
 
 
 @functools.cache
@@ -103,15 +104,15 @@ def quantize_weight_compiled(weight: torch.Tensor, spec: QuantLinearSpec) -> QTe
     return _compiled_quantize_weight()(weight, spec)
 
 
-def _quantize_activation(x2: torch.Tensor, spec: QuantLinearSpec, granularity: str, residual: bool):
+def _quantize_activation(x2: torch.Tensor, spec: QuantLinearSpec, granularity: Granularity, residual: bool):
     """[Q(x)] or [Q(x), Q(x - Q(x))] of x2 [tokens, in], token by token: with groups that lie within a row
     (token, 1 x n blocks), each row is its own tensor (NVFP4: its own fp32 scale), so a token's codes depend on
     that token alone, not on what the trainer's micro-batch or the engine's prefill or decode batch holds beside
     it. That is what lets both sides compute the same function of a token."""
-    batch_dims = int(row_grouped(granularity, spec.act_block or ACT_BLOCK))  # FP4's own blocks are 1 x n too
+    batch_dims = int(granularity.row_grouped)
     if residual:
-        return list(residual_quantize(x2, spec.fmt, granularity, block_shape=spec.act_block, batch_dims=batch_dims))
-    return [quantize(x2, spec.fmt, granularity, block_shape=spec.act_block, batch_dims=batch_dims)]
+        return list(residual_quantize(x2, spec.fmt, granularity, batch_dims=batch_dims))
+    return [quantize(x2, spec.fmt, granularity, batch_dims=batch_dims)]
 
 
 def _dequantized_sum(parts: list[QTensor]) -> torch.Tensor:

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from qurl_mcore.quant import QTensor
+from qurl_mcore.quant import FORMATS, Family, FormatSpec, QTensor
+from qurl_mcore.quant.formats import SGLANG_W8A8
 
 #: formats that SGLang's W8A8 kernels take, with their per-channel weights and per-token activations
-KERNEL_FORMATS = ("int8", "fp8_e4m3")
+KERNEL_FORMATS = tuple(name for name, spec in FORMATS.items() if SGLANG_W8A8 in spec.kernels)
 
 
-def available(fmt: str, device: torch.device) -> bool:
-    """Whether the SGLang kernel path serves `fmt` on `device` (CUDA with sgl_kernel's W8A8 GEMMs)."""
-    if fmt not in KERNEL_FORMATS or device.type != "cuda":
+def available(spec: FormatSpec, device: torch.device) -> bool:
+    """Whether the SGLang kernel path serves format `spec` on `device` (CUDA with sgl_kernel's W8A8 GEMMs)."""
+    if SGLANG_W8A8 not in spec.kernels or device.type != "cuda":
         return False
-    if fmt == "fp8_e4m3":
+    if spec.family is Family.FP8:
         from sglang.srt.layers.quantization.fp8_utils import cutlass_fp8_supported
 
         return bool(cutlass_fp8_supported())  # its per-token x per-channel epilogue
@@ -31,7 +32,7 @@ def available(fmt: str, device: torch.device) -> bool:
 def w8a8_linear(x: torch.Tensor, wq: QTensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Y = Q_token(X) · Q_channel(W)ᵀ + b with SGLang's per-token quantization and GEMM kernels."""
     x2 = x.reshape(-1, x.shape[-1])
-    if wq.fmt == "int8":
+    if wq.spec.family is Family.INT:
         from sgl_kernel import int8_scaled_mm
         from sglang.kernels.ops.quantization.int8_kernel import per_token_quant_int8
 
@@ -44,12 +45,13 @@ def w8a8_linear(x: torch.Tensor, wq: QTensor, bias: torch.Tensor | None) -> torc
     return y.reshape(*x.shape[:-1], -1)
 
 
-def moe_quant_info(fmt: str, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor):
-    """The Triton fused-MoE runner's description of stacked per-channel W8A8 experts ([E, N, K] codes,
-    [E, N, 1] fp32 scales) with dynamic per-token activations."""
+def moe_quant_info(spec: FormatSpec, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                   w2_scale: torch.Tensor):
+    """The Triton fused-MoE runner's description of stacked per-channel W8A8 experts of format `spec` ([E, N, K]
+    codes, [E, N, 1] fp32 scales) with dynamic per-token activations."""
     from sglang.srt.layers.moe.moe_runner.triton import TritonMoeQuantInfo
 
     return TritonMoeQuantInfo(
         w13_weight=w13, w2_weight=w2, w13_scale=w13_scale, w2_scale=w2_scale, per_channel_quant=True,
-        use_int8_w8a8=fmt == "int8", use_fp8_w8a8=fmt == "fp8_e4m3",
+        use_int8_w8a8=spec.family is Family.INT, use_fp8_w8a8=spec.family is Family.FP8,
     )

@@ -17,7 +17,7 @@ class QurlLinearMethod(LinearMethodBase):
 
     def __init__(self, options: QurlOptions):
         self.options = options
-        self.spec = options.spec()
+        self.spec = options.recipe.spec
         self.quantize_weight = REQUANTS[options.requant]
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
@@ -41,6 +41,6 @@ class QurlLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         wq = layer.qurl_weight
-        if self.options.kernel == "auto" and kernels.available(wq.fmt, x.device):
+        if self.options.kernel == "auto" and kernels.available(wq.spec, x.device):
             return kernels.w8a8_linear(x, wq, bias)
         return quantized_linear(x, wq, bias, self.spec)

@@ -22,7 +22,7 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
     def __init__(self, options: QurlOptions):
         super().__init__()
         self.options = options
-        self.spec = options.spec()
+        self.spec = options.recipe.spec
         self.quantize_weight = REQUANTS[options.requant]
         self.runner = None
 
@@ -46,7 +46,7 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
         self.runner = MoeRunner(MoeRunnerBackend.TRITON, moe_runner_config)
 
     def _use_kernels(self, device: torch.device) -> bool:
-        return self.options.kernel == "auto" and kernels.available(self.options.fmt, device)
+        return self.options.kernel == "auto" and kernels.available(self.options.recipe.format, device)
 
     def process_weights_after_loading(self, layer) -> None:
         if not all(weights.is_loaded(layer, n) for n in _WEIGHTS):
@@ -72,8 +72,8 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
         x = dispatch_output.hidden_states
         if self._use_kernels(x.device):
             w13, w2 = layer.qurl_w13_weight, layer.qurl_w2_weight
-            return self.runner.run(dispatch_output, kernels.moe_quant_info(self.options.fmt, w13.data, w13.scale,
-                                                                           w2.data, w2.scale))
+            info = kernels.moe_quant_info(self.options.recipe.format, w13.data, w13.scale, w2.data, w2.scale)
+            return self.runner.run(dispatch_output, info)
         config = self.moe_runner_config
         if config.apply_router_weight_on_input or config.activation != "silu" or config.gemm1_alpha is not None:
             raise NotImplementedError("qurl MoE experts support SiLU-gated experts with output-side routing weights")

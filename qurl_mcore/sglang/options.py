@@ -1,11 +1,12 @@
 """What a qurl quantization method does, parsed from SGLang's engine arguments (no SGLang import here).
 
 The method names and what they compute are rows of `qurl_mcore.precision.METHODS` (the table shared with
-the trainer); `spec()` is `qurl_mcore.precision.rollout_spec(method, fmt)`:
+the trainer); `QurlOptions.recipe` is what the engine computes, built once per engine by
+`qurl_mcore.recipe.engine_recipe(method, fmt, scope)`, equal to the trainer's `Recipe.engine`:
 
-  qurl_int8    W8A8 INT8: per-channel weights, per-token activations      mode naive, int8
-  qurl_fp8     W8A8 FP8 E4M3, same granularity                            mode naive, fp8_e4m3
-  qurl_fp4     FP4 weights and activations on their own blocks            mode naive, nvfp4 | mxfp4
+  qurl_int8    W8A8 INT8: per-channel weights, per-token activations      mode rc_none, int8
+  qurl_fp8     W8A8 FP8 E4M3, same granularity                            mode rc_none, fp8_e4m3
+  qurl_fp4     FP4 weights and activations on their own blocks            mode rc_none, nvfp4 | mxfp4
   qurl_fp4_rc  FP4 with residual-corrected activations, Y = Q(X)Q(W)ᵀ + Q(X-Q(X))Q(W)ᵀ
                                                                           mode rc_forward, nvfp4 | mxfp4
 (`rc_forward` and `rc_both` share this forward; the rollout engine only runs forwards.)
@@ -29,8 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from qurl_mcore.precision import METHODS, SCOPES, default_scope, rollout_spec
+from qurl_mcore.precision import METHODS, SCOPES, default_scope
 from qurl_mcore.quant import quantize_weight, quantize_weight_compiled
+from qurl_mcore.recipe import EngineRecipe, engine_recipe
 
 KERNELS = ("auto", "qurl")
 #: a file every engine process appends the HF names of the linears it quantized to (sglang/quant_config.py)
@@ -38,7 +40,7 @@ QUANTIZED_LOG_ENV = "QURL_QUANTIZED_LOG"
 MASTERS = ("host", "device")
 #: how an engine re-quantizes pushed weights: the quantizer each name calls
 REQUANTS = {"eager": quantize_weight, "compiled": quantize_weight_compiled}
-#: the options a `quantization_config` may set (QurlOptions fields after `method`)
+#: the options a `quantization_config` may set
 _OPTIONS = ("fmt", "scope", "kernel", "master", "requant")
 #: Keys SGLang itself adds to the dict it hands to `from_config`.
 _SGLANG_KEYS = {"quant_method", "packed_modules_mapping", "hf_config"}
@@ -52,14 +54,25 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class QurlOptions:
-    """A validated method plus options; `spec()` is the QuantLinearSpec the trainer uses for the same layers."""
+    """A validated method plus options: `recipe` is what the engine computes (its `spec` is the
+    QuantLinearSpec the trainer uses for the same layers), the rest how it runs."""
 
-    method: str
-    fmt: str
-    scope: str
+    recipe: EngineRecipe
     kernel: str = "auto"
     master: str = "host"
     requant: str = "eager"
+
+    @property
+    def method(self) -> str:
+        return self.recipe.method
+
+    @property
+    def fmt(self) -> str:
+        return self.recipe.fmt
+
+    @property
+    def scope(self) -> str:
+        return self.recipe.scope
 
     @classmethod
     def parse(cls, method: str, config: Mapping[str, Any] | None = None) -> "QurlOptions":
@@ -76,17 +89,14 @@ class QurlOptions:
         formats = METHODS[method].formats
         if len(formats) == 1 and config.get("fmt", formats[0]) != formats[0]:
             raise ValueError(f"{method} always uses {formats[0]}; drop fmt={config['fmt']!r}")
+        fmt = _choice("fmt", config.get("fmt", formats[0]), formats)
+        scope = _choice("scope", config.get("scope", default_scope(method)), tuple(SCOPES))
         return cls(
-            method, _choice("fmt", config.get("fmt", formats[0]), formats),
-            scope=_choice("scope", config.get("scope", default_scope(method)), tuple(SCOPES)),
+            engine_recipe(method, fmt, scope),
             kernel=_choice("kernel", config.get("kernel", "auto"), KERNELS),
             master=_choice("master", config.get("master", "host"), MASTERS),
             requant=_choice("requant", config.get("requant", "eager"), tuple(REQUANTS)),
         )
-
-    def spec(self):
-        """The shared numerics: `qurl_mcore.precision.rollout_spec(method, fmt)`."""
-        return rollout_spec(self.method, self.fmt)
 
     def override_args(self) -> dict[str, Any]:
         """The `json_model_override_args` dict that selects exactly these options in an engine."""

@@ -95,7 +95,7 @@ def stack(experts: list[QTensor]) -> tuple[QTensor, list[QTensor]]:
     scale = torch.stack([q.scale for q in experts])
     glob = None if first.global_scale is None else torch.stack([q.global_scale for q in experts])
     stacked = QTensor(data, scale, first.fmt, first.granularity, torch.Size((len(experts), *first.shape)),
-                      first.dtype, first.block_shape, glob)  # glob [E]: a batch of tensors (quantize's batch_dims)
-    views = [QTensor(data[e], scale[e], q.fmt, q.granularity, q.shape, q.dtype, q.block_shape,
-                     None if glob is None else glob[e]) for e, q in enumerate(experts)]
+                      first.dtype, glob)  # glob [E]: a batch of tensors (quantize's batch_dims)
+    views = [QTensor(data[e], scale[e], q.fmt, q.granularity, q.shape, q.dtype, None if glob is None else glob[e])
+             for e, q in enumerate(experts)]
     return stacked, views

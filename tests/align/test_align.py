@@ -192,7 +192,7 @@ def test_format_table():
     assert lines[-1] == "scope experts, FP4 format nvfp4"
     dense = align.format_table([_row("fp4", pcc=0.5, topk_match_frac=None, topk_overlap_mean=None,
                                      mean_abs_logprob_diff=0.25)]).splitlines()
-    assert dense[2] == "| fp4 | qurl_fp4 | naive | 96 | 0.5000 | — | — | 0.2500 |"
+    assert dense[2] == "| fp4 | qurl_fp4 | rc_none | 96 | 0.5000 | — | — | 0.2500 |"
     with pytest.raises(ValueError, match="lacks"):
         align.format_table([_row("fp4", pcc=1.0)])
     with pytest.raises(ValueError, match="no rows"):

@@ -23,7 +23,7 @@ def test_report_on_real_weights_shows_rc_gain_for_every_format():
     report = json.loads(out)
     assert report["shape"] == [512, 576]
     rows = {(r["fmt"], r["granularity"]): r for r in report["rows"]}
-    assert set(rows) == set(WEIGHT_CASES)
+    assert set(rows) == {(fmt, str(gran)) for fmt, gran in WEIGHT_CASES}
     for r in rows.values():
         assert r["rel_rmse_rc"] < r["rel_rmse_q"] and r["rc_gain"] > 1
     # more bits, less error

@@ -13,6 +13,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from qurl_mcore.integrations import slime as S
+from qurl_mcore.recipe import resolve
 from qurl_mcore.rl.losses import policy_loss
 
 PROMPTS = (4, 6, 2, 3)
@@ -271,7 +272,7 @@ def test_provider_builds_our_trainer_model(megatron_ws1):
 
     path = tiny_checkpoint("qwen3_moe")
     model = _build(path, "fp4_rc")
-    ours = build_gpt(path, precision="fp4_rc")
+    ours = build_gpt(path, recipe=resolve("fp4_rc"))
     load_hf_weights(ours, path)
     quant = {n: m.quant for n, m in model.named_modules()
              if isinstance(m, (QuantColumnParallelLinear, QuantRowParallelLinear))}
@@ -500,7 +501,7 @@ def test_the_plugin_serves_and_refits_in_slimes_sglang(tmp_path):
         original = checkpoint_tensors(path)
         for key, weights in (("base", path), ("noisy", write_checkpoint(path, noisy_layer0(original),
                                                                         tmp_path / f"{method}-noisy"))):
-            want = token_logprobs(reference_model(weights, opts.spec(), opts.scope, torch.float32), case["seq"])
+            want = token_logprobs(reference_model(weights, opts.recipe.spec, opts.scope, torch.float32), case["seq"])
             diff = (torch.tensor(case[key]) - want).abs().max()
             assert diff < 2e-3, f"{method} {key}: max |Δ| {diff:.2e}"
         assert case["noisy"] != case["base"], method

@@ -395,7 +395,7 @@ def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patche
     def reference(tensors: dict, name: str) -> torch.Tensor:
         """The quantized reference's log-probs of the sequence, from a checkpoint holding `tensors`."""
         path = write_checkpoint(tiny_llama, {**original, **tensors}, tmp_path / name)
-        return token_logprobs(reference_model(path, engine.options().spec(), "all", torch.float32), got["seq"])
+        return token_logprobs(reference_model(path, engine.options().recipe.spec, "all", torch.float32), got["seq"])
 
     assert [got[k] for k in ("loaded", "noisy", "failed", "restored_version", "delta_version", "steps")] == \
         ["1", "2", "incomplete:3", "4", "5", [1, 2, 4, 5]]

@@ -13,6 +13,7 @@ from qurl_mcore.megatron import build_gpt
 from qurl_mcore.megatron.logprobs import token_logprobs
 from qurl_mcore.models import resolve_model_path
 from qurl_mcore.models.registry import shape
+from qurl_mcore.recipe import resolve
 from qurl_mcore.sizing import _stages, activation_bytes, layer_activation_bytes, model_config
 
 
@@ -65,7 +66,7 @@ def test_layer_activations_equal_what_autograd_keeps(megatron_ws1, name, precisi
     quantized-training precision the fp32 weights and inputs its linears keep."""
     s, b = 64, 2
     shape, cfg = _plan(name, precision, s, b)
-    model = build_gpt(resolve_model_path(name), precision=precision, core_attention="sdpa")
+    model = build_gpt(resolve_model_path(name), recipe=resolve(precision), core_attention="sdpa")
     measured = _saved_in_layers(model, torch.randint(3, 1000, (b, s), generator=torch.Generator().manual_seed(0)))
     per = layer_activation_bytes(shape, cfg, e=4)
     rope = 4 * 4 * shape.head_dim * s

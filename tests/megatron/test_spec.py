@@ -4,8 +4,9 @@ import torch
 from qurl_mcore.megatron.layers import QuantColumnParallelLinear, QuantRowParallelLinear
 from qurl_mcore.megatron.gpt import build_gpt, gpt_config
 from qurl_mcore.megatron.spec import gpt_spec, linear_group
-from qurl_mcore.precision import train_spec
 from qurl_mcore.models.tiny import tiny_checkpoint
+from qurl_mcore.quant import PerTensor
+from qurl_mcore.recipe import resolve
 from tests.conftest import requires_cuda
 
 from .helpers import random_ids
@@ -31,7 +32,7 @@ def test_bf16_precision_is_bitwise_the_stock_local_spec(arch, reseed):
     reseed()
     stock = GPTModel(transformer_layer_spec=stock_spec, **kw)
     reseed()
-    ours = GPTModel(transformer_layer_spec=gpt_spec(config, "bf16"), **kw)
+    ours = GPTModel(transformer_layer_spec=gpt_spec(config, resolve("bf16")), **kw)
     assert [n for n, _ in stock.named_parameters()] == [n for n, _ in ours.named_parameters()]
     ids = random_ids(2, 16)
     out_stock, grads_stock = _forward_backward(stock, ids)
@@ -47,44 +48,47 @@ def _quantized(model) -> set[str]:
 def test_scope_experts_quantizes_only_routed_experts(megatron_ws1):
     from megatron.core.transformer.moe.router import TopKRouter
 
-    model = build_gpt(tiny_checkpoint("qwen3_moe"), precision="fp4_rc", scope="experts")
+    recipe = resolve("fp4_rc", "experts")
+    model = build_gpt(tiny_checkpoint("qwen3_moe"), recipe=recipe)
     names = _quantized(model)
     assert names and all(".mlp.experts.local_experts." in n for n in names)
     assert len(names) == 2 * 2 * 4  # layers x (fc1, fc2) x experts
     assert all(m.quant.mode == "rc_both" and m.quant.fmt == "nvfp4"
                for m in model.modules() if isinstance(m, QuantColumnParallelLinear))
+    # resolved once: every quantized linear holds the recipe's own spec
+    assert all(m.quant is recipe.train for m in model.modules() if hasattr(m, "quant"))
     assert sum(isinstance(m, TopKRouter) for m in model.modules()) == 2
     assert type(model.output_layer).__name__ == "ColumnParallelLinear"
 
 
 def test_scope_all_adds_attention(megatron_ws1):
-    names = _quantized(build_gpt(tiny_checkpoint("qwen3_moe"), precision="fp4", scope="all", fmt="mxfp4"))
+    names = _quantized(build_gpt(tiny_checkpoint("qwen3_moe"), recipe=resolve("fp4", "all", "mxfp4")))
     assert {n.split(".")[-1] for n in names} == {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}
     assert "output_layer" not in names and not any("router" in n for n in names)
 
 
 def test_dense_experts_scope_is_the_mlp(megatron_ws1):
-    names = _quantized(build_gpt(tiny_checkpoint("qwen3"), precision="fp4_rc_train"))  # default scope: experts
+    names = _quantized(build_gpt(tiny_checkpoint("qwen3"), recipe=resolve("fp4_rc_train")))  # default scope: experts
     assert {n.split(".", 3)[-1] for n in names} == {"mlp.linear_fc1", "mlp.linear_fc2"}
 
 
 def test_qurl_precisions_train_in_full_precision(megatron_ws1):
     for precision in ("bf16", "int8", "fp8"):
-        assert not _quantized(build_gpt(tiny_checkpoint("qwen3_moe"), precision=precision, scope="all"))
+        assert not _quantized(build_gpt(tiny_checkpoint("qwen3_moe"), recipe=resolve(precision, "all")))
 
 
 def test_trainer_specs_come_from_the_precision_table():
-    assert train_spec("fp4_rc").mode == "rc_both"
-    assert train_spec("fp4_rc_rollout", "mxfp4").mode == "naive"
-    assert train_spec("fp4_rc_train", "mxfp4").mode == "rc_both"
-    fp8 = train_spec("fp8_e2e")
+    assert resolve("fp4_rc").train.mode == "rc_both"
+    assert resolve("fp4_rc_rollout", fmt="mxfp4").train.mode == "rc_none"
+    assert resolve("fp4_rc_train", fmt="mxfp4").train.mode == "rc_both"
+    fp8 = resolve("fp8_e2e").train
     assert (fp8.fmt, fp8.weight_granularity, fp8.act_granularity, fp8.grad_granularity) == \
-        ("fp8_e4m3", "tensor", "tensor", "tensor")
-    assert not train_spec("int8").quantized
+        ("fp8_e4m3", PerTensor(), PerTensor(), PerTensor())
+    assert not resolve("int8").train.quantized
     with pytest.raises(ValueError, match="unknown precision"):
-        train_spec("int4")
+        resolve("int4")
     with pytest.raises(ValueError, match="runs in"):
-        train_spec("fp4", "int8")
+        resolve("fp4", fmt="int8")
 
 
 def test_linear_groups_of_megatron_names():
@@ -100,10 +104,29 @@ def test_linear_groups_of_megatron_names():
 
 def test_unknown_scope_is_refused(megatron_ws1):
     with pytest.raises(ValueError, match="scope"):
-        gpt_spec(gpt_config(tiny_checkpoint("qwen3")), "fp4", scope="attention")
+        resolve("fp4", scope="attention")
 
 
-def test_rc_is_closer_to_bf16_than_naive_fp4(megatron_ws1):
+def test_the_builders_take_a_recipe_not_a_precision_name(megatron_ws1):
+    """A precision is resolved once, where the model is built; a bare name would be resolved again."""
+    config = gpt_config(tiny_checkpoint("qwen3"))
+    with pytest.raises(TypeError, match="expected a Recipe, got 'fp4'"):
+        gpt_spec(config, "fp4")
+    with pytest.raises(TypeError, match="expected a Recipe"):
+        build_gpt(tiny_checkpoint("qwen3"), recipe="fp4")
+
+
+def test_transformer_engine_needs_megatrons_fp8_settings(megatron_ws1):
+    """A recipe that trains per tensor where TE is installed runs TE's FP8 (on this CPU: said so by hand);
+    a config without Megatron's fp8 settings would not enter fp8_autocast and is refused."""
+    recipe = resolve("fp8_e2e", "all", te_available=True)
+    assert recipe.te and not resolve("fp8_e2e", "all", te_available=False).te
+    assert not resolve("fp4", te_available=True).te  # per-block FP4 runs the qurl_mcore.quant emulation
+    with pytest.raises(ValueError, match="precision 'fp8_e2e' on Transformer Engine needs config.fp8='e4m3'"):
+        gpt_spec(gpt_config(tiny_checkpoint("qwen3")), recipe)
+
+
+def test_rc_is_closer_to_bf16_than_plain_fp4(megatron_ws1):
     """End to end, RC's forward error is below plain FP4's (RC corrects the activations; the weight error,
     quantized once in both, remains) and FP8's is below both."""
     from qurl_mcore.megatron.convert import load_hf_weights
@@ -113,7 +136,7 @@ def test_rc_is_closer_to_bf16_than_naive_fp4(megatron_ws1):
     pos = torch.arange(16).expand_as(ids)
     out = {}
     for precision in ("bf16", "fp4", "fp4_rc", "fp8_e2e"):
-        model = build_gpt(path, precision=precision, scope="all")
+        model = build_gpt(path, recipe=resolve(precision, "all"))
         load_hf_weights(model, path)
         with torch.no_grad():
             out[precision] = model(ids, pos, None)
@@ -130,7 +153,7 @@ def test_fp4_rc_model_learns_a_toy_task(reseed):
     reseed(7)
     config = gpt_config(tiny_checkpoint("qwen3_moe"), num_layers=1, hidden_size=64, ffn_hidden_size=128,
                         moe_ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16)
-    model = GPTModel(config=config, transformer_layer_spec=gpt_spec(config, "fp4_rc", "experts"),
+    model = GPTModel(config=config, transformer_layer_spec=gpt_spec(config, resolve("fp4_rc", "experts")),
                      vocab_size=32, max_sequence_length=32, position_embedding_type="rope")
     expert = model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1
     assert isinstance(expert, QuantColumnParallelLinear)
@@ -158,8 +181,8 @@ def test_fp8_training_uses_transformer_engine_on_gpu(megatron_ws1):
 
     path = tiny_checkpoint("qwen3_moe")
     with pytest.raises(ValueError, match="fp8"):
-        gpt_spec(gpt_config(path), "fp8_e2e", scope="all")  # a config without Megatron's fp8 settings
-    model = build_gpt(path, precision="fp8_e2e", scope="all", use_cpu_initialization=False).cuda()
+        gpt_spec(gpt_config(path), resolve("fp8_e2e", "all"))  # a config without Megatron's fp8 settings
+    model = build_gpt(path, recipe=resolve("fp8_e2e", "all"), use_cpu_initialization=False).cuda()
     assert any(isinstance(m, TEColumnParallelLinear) for m in model.modules())
     ids = random_ids(2, 32).cuda()
     logits = model(ids, torch.arange(32, device="cuda").expand_as(ids), None)

@@ -11,6 +11,7 @@ from qurl_mcore.megatron.logprobs import token_logprobs
 from qurl_mcore.megatron.gpt import build_gpt, gpt_config
 from qurl_mcore.megatron.parallel import init_parallel
 from qurl_mcore.megatron.rescaling import apply_uaq
+from qurl_mcore.recipe import resolve
 
 
 def _gather(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -37,7 +38,7 @@ def round_trip_mismatches(model, path) -> list[str]:
 
 def quantized_step(path, ids, precision: str, scope: str, fmt: str) -> dict:
     """Log-probs of a quantized model and its gradients (gathered over TP) after backward of their sum."""
-    model = build_gpt(path, precision=precision, scope=scope, fmt=fmt)
+    model = build_gpt(path, recipe=resolve(precision, scope, fmt))
     load_hf_weights(model, path)
     out = token_logprobs(model, ids, grad=True)
     out.logprobs.sum().backward()
@@ -70,7 +71,7 @@ def dense_tp2(rank: int, path, ids: torch.Tensor) -> dict:
     config = gpt_config(path, sequence_parallel=False)
     kw = dict(config=config, vocab_size=49152, max_sequence_length=64, position_embedding_type="rope")
     outs = []
-    for spec in (get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), gpt_spec(config, "bf16")):
+    for spec in (get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), gpt_spec(config)):
         torch.manual_seed(3)
         tensor_parallel.model_parallel_cuda_manual_seed(3)
         outs.append(full_logits(GPTModel(transformer_layer_spec=spec, **kw), ids))

@@ -121,7 +121,7 @@ def test_every_element_is_rounded_to_a_nearest_grid_point_of_its_block(fmt, gran
     x[3, 5] = 80.0  # an outlier
     q = quantize(x, fmt, granularity)
     s = q.scale_fp32()
-    grouped = q._grouping().group(x)
+    grouped = q.granularity.group(x, q.shape)
     scaled = grouped / s
     if fmt == "int8":
         grid = torch.arange(-127, 128, dtype=torch.float32)
@@ -134,7 +134,7 @@ def test_every_element_is_rounded_to_a_nearest_grid_point_of_its_block(fmt, gran
     got = decode(q.codes(), q.spec).reshape(-1, 1)
     assert torch.equal((got - target).abs().reshape(-1), nearest_dist)
     # and the dequantized tensor is exactly those grid values times the scale
-    assert torch.equal(q._grouping().group(q.dequantize()), got.reshape(grouped.shape) * s)
+    assert torch.equal(q.granularity.group(q.dequantize(), q.shape), got.reshape(grouped.shape) * s)
 
 
 def test_int8_error_at_most_half_a_step():

@@ -63,12 +63,12 @@ def test_compiled_weight_quantizer_equals_eager_bitwise_in_one_graph(method, fmt
     shapes: a model's many weight shapes must not recompile it per shape)."""
     from torch._dynamo.utils import counters
 
-    from qurl_mcore.precision import rollout_spec
     from qurl_mcore.quant import quantize_weight, quantize_weight_compiled
+    from qurl_mcore.recipe import engine_recipe
 
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
-    spec = rollout_spec(method, fmt)
+    spec = engine_recipe(method, fmt).spec
     experts = torch.randn(3, 96, 64, dtype=torch.bfloat16)
     for w in (torch.randn(64, 128, dtype=torch.bfloat16) * 5, torch.randn(160, 96, dtype=torch.bfloat16), experts[1]):
         got, want = quantize_weight_compiled(w, spec), quantize_weight(w, spec)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from qurl_mcore.quant import (
-    fake_quantize, make_spec, quant_linear, quantize_activation, quantize_weight, quantized_linear,
-    residual_fake_quantize,
+    PerBlock, PerRow, PerToken, fake_quantize, make_spec, quant_linear, quantize_activation, quantize_weight,
+    quantized_linear, residual_fake_quantize,
 )
 
 
@@ -37,7 +37,7 @@ def _reference(x, w, b, g, mode, fmt):
     return y, gq @ wq, gq.t() @ bwd(x), g.sum(0)
 
 
-@pytest.mark.parametrize("mode", ["naive", "rc_forward", "rc_backward", "rc_both"])
+@pytest.mark.parametrize("mode", ["rc_none", "rc_forward", "rc_backward", "rc_both"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "nvfp4", "mxfp4"])
 def test_forward_and_backward_follow_the_formulas(mode, fmt):
     x = torch.randn(24, 64, requires_grad=True)
@@ -54,7 +54,7 @@ def test_forward_and_backward_follow_the_formulas(mode, fmt):
     torch.testing.assert_close(b.grad, rdb)
 
 
-@pytest.mark.parametrize("mode", ["naive", "rc_both"])
+@pytest.mark.parametrize("mode", ["rc_none", "rc_both"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "nvfp4", "mxfp4"])
 def test_a_tokens_output_does_not_depend_on_the_batch_beside_it(mode, fmt):
     """The trainer runs a token in a micro-batch of whole sequences, the engine in a prefill or a one-token
@@ -73,7 +73,7 @@ def test_a_tokens_output_does_not_depend_on_the_batch_beside_it(mode, fmt):
     torch.testing.assert_close(quant_linear(batch, w, spec=spec)[:6], outputs, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["naive", "rc_both"])
+@pytest.mark.parametrize("mode", ["rc_none", "rc_both"])
 @pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
 def test_no_tokens_give_an_empty_output_and_a_zero_weight_gradient(mode, fmt):
     """An MoE expert that no token of a micro-batch was routed to still runs (Megatron's SequentialMLP calls
@@ -95,16 +95,16 @@ def test_no_tokens_give_an_empty_output_and_a_zero_weight_gradient(mode, fmt):
 def test_modes_differ_where_they_should():
     x, w, g = torch.randn(16, 64), torch.randn(8, 64), torch.randn(16, 8)
     outs = {}
-    for mode in ("naive", "rc_forward", "rc_backward", "rc_both"):
+    for mode in ("rc_none", "rc_forward", "rc_backward", "rc_both"):
         xx = x.clone().requires_grad_()
         y = quant_linear(xx, w, spec=make_spec(mode, "nvfp4"))
         y.backward(g)
         outs[mode] = (y.detach(), xx.grad)
-    assert torch.equal(outs["naive"][0], outs["rc_backward"][0])  # same forward
+    assert torch.equal(outs["rc_none"][0], outs["rc_backward"][0])  # same forward
     assert torch.equal(outs["rc_forward"][0], outs["rc_both"][0])
-    assert not torch.equal(outs["naive"][0], outs["rc_both"][0])
-    assert torch.equal(outs["naive"][1], outs["rc_forward"][1])  # same backward
-    assert not torch.equal(outs["naive"][1], outs["rc_both"][1])
+    assert not torch.equal(outs["rc_none"][0], outs["rc_both"][0])
+    assert torch.equal(outs["rc_none"][1], outs["rc_forward"][1])  # same backward
+    assert not torch.equal(outs["rc_none"][1], outs["rc_both"][1])
 
 
 def test_rc_forward_removes_most_of_the_activation_error():
@@ -112,14 +112,14 @@ def test_rc_forward_removes_most_of_the_activation_error():
     x, w = torch.randn(64, 256), torch.randn(128, 256)
     x[:, ::17] *= 30
     exact = x @ fake_quantize(w, "nvfp4", "block").t()
-    err = {m: (quant_linear(x, w, spec=make_spec(m, "nvfp4")) - exact).norm() for m in ("naive", "rc_both")}
-    assert err["rc_both"] < 0.25 * err["naive"]
+    err = {m: (quant_linear(x, w, spec=make_spec(m, "nvfp4")) - exact).norm() for m in ("rc_none", "rc_both")}
+    assert err["rc_both"] < 0.25 * err["rc_none"]
 
 
 def test_inference_path_equals_training_forward():
     """The rollout engine (quantized once, then `quantized_linear`) computes what the trainer's forward does."""
     x, w, b = torch.randn(2, 9, 64, dtype=torch.bfloat16), torch.randn(48, 64), torch.randn(48)
-    for fmt, mode in (("int8", "naive"), ("fp8_e4m3", "naive"), ("nvfp4", "rc_both"), ("mxfp4", "rc_forward")):
+    for fmt, mode in (("int8", "rc_none"), ("fp8_e4m3", "rc_none"), ("nvfp4", "rc_both"), ("mxfp4", "rc_forward")):
         spec = make_spec(mode, fmt)
         inference = quantized_linear(x, quantize_weight(w, spec), b, spec)
         assert inference.shape == (2, 9, 48) and inference.dtype == torch.bfloat16
@@ -130,14 +130,16 @@ def test_spec_validation():
     with pytest.raises(ValueError, match="unknown quantized-linear mode 'rc'"):
         make_spec("rc", "nvfp4")
     with pytest.raises(ValueError, match="needs a format"):
-        make_spec("naive")
+        make_spec("rc_none")
     with pytest.raises(ValueError, match="drop fmt"):
         make_spec("bf16", "int8")
     with pytest.raises(ValueError, match="not a granularity"):
-        make_spec("naive", "int8", act_granularity="row")
+        make_spec("rc_none", "int8", act_granularity="row")
     with pytest.raises(ValueError, match="unknown GEMM backend"):
-        make_spec("naive", "int8", backend="cutlass")
+        make_spec("rc_none", "int8", backend="cutlass")
     s = make_spec("rc_both", "mxfp4")
-    assert (s.weight_granularity, s.act_granularity, s.grad_granularity) == ("block",) * 3
-    s = make_spec("naive", "int8")
-    assert (s.weight_granularity, s.act_granularity) == ("channel", "token")
+    assert (s.weight_granularity, s.act_granularity, s.grad_granularity) == (PerBlock((1, 32)),) * 3
+    s = make_spec("rc_none", "int8")
+    assert (s.weight_granularity, s.act_granularity) == (PerRow(), PerToken())
+    assert make_spec("rc_none", "int8", weight_granularity="block") == \
+        make_spec("rc_none", "int8", weight_granularity=PerBlock((1, 128)))

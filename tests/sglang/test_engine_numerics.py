@@ -56,7 +56,7 @@ def served(request):
 
 def _reference(served, path=None, quantized=True):
     opts = served["options"]
-    return reference_model(path or served["path"], opts.spec() if quantized else None, opts.scope, torch.float32)
+    return reference_model(path or served["path"], opts.recipe.spec if quantized else None, opts.scope, torch.float32)
 
 
 def assert_matches(served, got: torch.Tensor, path=None, tol: float = 2e-3):

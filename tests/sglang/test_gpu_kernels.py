@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl_mcore.quant import make_spec, quantize_weight, quantized_linear
+from qurl_mcore.quant import get_format, make_spec, quantize_weight, quantized_linear
 
 from ..conftest import requires_cuda
 
@@ -15,12 +15,12 @@ from ..conftest import requires_cuda
 def test_sglang_w8a8_kernels_match_the_qurl_forward(fmt):
     from qurl_mcore.sglang import kernels
 
-    if not kernels.available(fmt, torch.device("cuda")):
+    if not kernels.available(get_format(fmt), torch.device("cuda")):
         pytest.skip(f"SGLang has no {fmt} per-channel kernel on this GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 512, device="cuda", generator=gen).bfloat16()
     w = (0.05 * torch.randn(768, 512, device="cuda", generator=gen)).bfloat16()
-    spec = make_spec("naive", fmt)
+    spec = make_spec("rc_none", fmt)
     wq = quantize_weight(w, spec)
     got = kernels.w8a8_linear(x, wq, None).float()
     want = quantized_linear(x, wq, None, spec).float()

@@ -6,19 +6,23 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from qurl_mcore.quant import make_spec, quantize_weight, quantized_linear
+from qurl_mcore.quant import PerBlock, make_spec, quantize_weight, quantized_linear
+from qurl_mcore.recipe import engine_recipe, resolve
 from qurl_mcore.sglang import METHODS, QurlOptions, register
 from qurl_mcore.sglang import weights
 from tests.conftest import requires_cuda
 
 
 def test_options_defaults_and_validation():
-    assert QurlOptions.parse("qurl_int8").spec() == make_spec("naive", "int8")
-    assert QurlOptions.parse("qurl_fp8").spec() == make_spec("naive", "fp8_e4m3")
+    assert QurlOptions.parse("qurl_int8").recipe.spec == make_spec("rc_none", "int8")
+    assert QurlOptions.parse("qurl_fp8").recipe.spec == make_spec("rc_none", "fp8_e4m3")
     assert QurlOptions.parse("qurl_fp4").fmt == "nvfp4"
     rc = QurlOptions.parse("qurl_fp4_rc", {"quant_method": "qurl_fp4_rc", "fmt": "mxfp4", "scope": "experts",
                                            "packed_modules_mapping": {}, "hf_config": None})
-    assert rc.spec() == make_spec("rc_forward", "mxfp4") and rc.scope == "experts"
+    assert rc.recipe.spec == make_spec("rc_forward", "mxfp4") and rc.scope == "experts"
+    # the engine's half of the recipe, built from the method and options alone, is the trainer side's
+    assert rc.recipe == resolve("fp4_rc", "experts", "mxfp4").engine == resolve("fp4_rc_rollout", fmt="mxfp4").engine
+    assert (rc.method, rc.fmt, rc.recipe.groups) == ("qurl_fp4_rc", "mxfp4", {"experts", "mlp"})
     # default scopes come from the precision table: W8A8 everywhere, FP4 on the experts (MoEResQ)
     assert QurlOptions.parse("qurl_int8").scope == "all" and QurlOptions.parse("qurl_fp4_rc").scope == "experts"
     for bad in ({"fmt": "int4"}, {"scope": "attention"}, {"kernel": "cutlass"}, {"master": "disk"}, {"bits": 4},
@@ -52,6 +56,8 @@ def test_requant_picks_the_quantizer_of_linears_and_experts():
         options = QurlOptions.parse("qurl_fp4", {"requant": requant})
         assert QurlLinearMethod(options).quantize_weight is quantizer
         assert QurlFusedMoEMethod(options).quantize_weight is quantizer
+        # every layer of an engine computes with the one spec its options resolved
+        assert QurlLinearMethod(options).spec is QurlFusedMoEMethod(options).spec is options.recipe.spec
 
 
 def test_master_detach_attach_keeps_the_parameter_and_its_loader():
@@ -68,7 +74,7 @@ def test_master_detach_attach_keeps_the_parameter_and_its_loader():
 
 @pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
 def test_store_rewrites_in_place(fmt):
-    spec = make_spec("naive", fmt)
+    spec = make_spec("rc_none", fmt)
     old = quantize_weight(torch.randn(32, 64), spec)
     ptrs = (old.data.data_ptr(), old.scale.data_ptr())
     new = quantize_weight(torch.randn(32, 64), spec)
@@ -85,7 +91,7 @@ def test_a_host_master_is_written_where_it_waits_and_quantized_at_home(device):
     layer's home from a copy of one weight. On the CPU home and host coincide."""
     layer = torch.nn.Module()
     layer.register_parameter("weight", torch.nn.Parameter(torch.randn(32, 64, device=device), requires_grad=False))
-    spec = make_spec("naive", "int8")
+    spec = make_spec("rc_none", "int8")
     assert weights.home(layer, "weight") == layer.weight.device
     weights.detach_master(layer, "weight", host=True)
     weights.attach_master(layer, "weight")
@@ -102,9 +108,7 @@ def test_a_host_master_is_written_where_it_waits_and_quantized_at_home(device):
 @pytest.mark.parametrize("method,fmt", [("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"),
                                         ("qurl_fp4", "mxfp4")])
 def test_stacked_experts_dequantize_as_each_expert_and_refresh_in_place(method, fmt):
-    from qurl_mcore.precision import rollout_spec
-
-    spec = rollout_spec(method, fmt)
+    spec = engine_recipe(method, fmt).spec
     experts = [quantize_weight(torch.randn(48, 64) * (e + 1), spec) for e in range(3)]
     stacked, views = weights.stack(experts)
     assert stacked.shape == (3, 48, 64)
@@ -113,8 +117,8 @@ def test_stacked_experts_dequantize_as_each_expert_and_refresh_in_place(method, 
     assert weights.store(views[1], fresh) is views[1]
     assert torch.equal(stacked.dequantize()[1], fresh.dequantize())
     with pytest.raises(ValueError, match="stacking needs groups of one row"):
-        weights.stack([quantize_weight(torch.randn(256, 256), make_spec("naive", "int8", weight_granularity="block",
-                                                                weight_block=(128, 128)))])
+        weights.stack([quantize_weight(torch.randn(256, 256),
+                                       make_spec("rc_none", "int8", weight_granularity=PerBlock((128, 128))))])
 
 
 def _routed_reference(x, topk_weights, topk_ids, w13, w2, spec):
@@ -137,10 +141,9 @@ def test_batched_experts_equal_the_routed_token_by_token_layer(method, fmt):
     their routed tokens; ids outside [0, E) (padding, other EP ranks) add nothing. Then the same function traced
     whole by torch.compile (fullgraph: no read-back to the host, no data-dependent shape: what a CUDA graph
     capture needs) gives the same output."""
-    from qurl_mcore.precision import rollout_spec
     from qurl_mcore.quant.experts import experts_forward
 
-    spec = rollout_spec(method, fmt)
+    spec = engine_recipe(method, fmt).spec
     hidden, inter, experts, tokens = 64, 32, 4, 9
     w13 = [quantize_weight(torch.randn(2 * inter, hidden) / 8, spec) for _ in range(experts)]
     w2 = [quantize_weight(torch.randn(hidden, inter) / 6, spec) for _ in range(experts)]
