@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .precision import GROUPS, METHODS, SCOPES, Precision, default_scope, quantizes, select
+from .models.slots import LINEAR_GROUPS
+from .precision import METHODS, SCOPES, Precision, default_scope, quantizes, select
 from .quant import FormatSpec, PerTensor, QuantLinearSpec, get_format, make_spec
 
 
@@ -34,10 +35,10 @@ def te_fp8_available() -> bool:
 
 
 def scope_groups(scope: str) -> frozenset[str]:
-    """The linear groups (`qurl_mcore.precision.GROUPS`) that `scope` quantizes."""
+    """The linear groups (`qurl_mcore.models.slots.LINEAR_GROUPS`) that `scope` quantizes."""
     if scope not in SCOPES:
         raise ValueError(f"unknown scope {scope!r}; use one of {list(SCOPES)}")
-    return frozenset(g for g in GROUPS if quantizes(scope, g))
+    return frozenset(g for g in LINEAR_GROUPS if quantizes(scope, g))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,7 @@
-"""`qurl plan`: the bytes of a run on each GPU, the weight push and the decode ceiling, before a GPU hour is
-spent. Pure functions over a model shape (an HF config.json as a dict) and a `Config`; importing this module
-imports neither torch nor Megatron nor SGLang (the trainer's dtype and optimizer defaults are `Config`'s, which
-asks torch when called). docs/plan.md states every formula with its source and compares the numbers with
-published ones.
+"""`qurl plan`: the bytes of a run on each GPU, the weight push and the decode ceiling, before a GPU hour is spent.
+Pure functions over a model shape (an HF config.json as a dict) and a `Config`; importing this module imports
+neither Megatron nor SGLang (torch only for the formats' facts, `quant.formats`). docs/plan.md states every formula
+with its source and compares the numbers with published ones.
 
 Notation: h hidden, i intermediate (i_m per expert, i_s shared expert), L layers, a attention heads, g key-value
 heads, d head dim, V vocabulary, E experts, k experts per token; TP/PP/EP/DP the trainer's split (expert tensor
@@ -24,9 +23,10 @@ replicated), embedding and lm_head /TP on the first and last stage, experts E/EP
                                      (DP for dense parameters, TP·DP/(EP·ETP) for experts)
   activations `activation_bytes`     one micro-batch per pipeline stage in flight (1F1B)
 Engines, per GPU of an engine with rollout.tp_size = t: the linears `precision.quantized_linears` names in the
-precision's format (`WEIGHT_FORMATS`), everything else in rollout.dtype, /t; full-precision masters of the
-quantized linears (host RAM by default; they come back to the GPU during every push); the KV cache
-2·L·g·d·2 bytes per token (g/t per GPU); SGLang's own reserve for activations and CUDA graphs (`sglang_reserve`).
+precision's format (`quant.formats.FormatSpec.weight_bytes`), everything else in rollout.dtype, /t;
+full-precision masters of the quantized linears (host RAM by default; they come back to the GPU during every
+push); the KV cache 2·L·g·d·2 bytes per token (g/t per GPU); SGLang's own reserve for activations and CUDA
+graphs (`sglang_reserve`).
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from .models.registry import ARCHITECTURES, shape
 from .models.slots import Shape, Slot
 from .placement import placement_of
 from .precision import quantized_linears
+from .quant.formats import FORMATS
 
 GB = 10**9
 GiB = 2**30
@@ -117,29 +118,6 @@ def link_gb_s(link: str, gpu: GPU) -> float:
 
 # ---- quantized weight formats ------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class WeightFormat:
-    """Bytes of a quantized [rows, cols] weight: `bits` per element, a `block_scale` byte per `block` elements
-    of a row, `row_scale` bytes per row, `tensor_scale` bytes per tensor (`qurl_mcore.quant.quantize` with the
-    rollout method's weight granularity; a test checks these against real QTensors)."""
-
-    bits: int
-    block: int = 0
-    block_scale: int = 0
-    row_scale: int = 0
-    tensor_scale: int = 0
-
-    def nbytes(self, rows: int, cols: int) -> int:
-        blocks = rows * math.ceil(cols / self.block) * self.block_scale if self.block else 0
-        return rows * cols * self.bits // 8 + blocks + rows * self.row_scale + self.tensor_scale
-
-
-WEIGHT_FORMATS: dict[str, WeightFormat] = {
-    "int8": WeightFormat(8, row_scale=4),  # codes + an fp32 scale per output channel
-    "fp8_e4m3": WeightFormat(8, row_scale=4),
-    "nvfp4": WeightFormat(4, block=16, block_scale=1, tensor_scale=4),  # E2M1 pairs, E4M3 per 16, fp32 per tensor
-    "mxfp4": WeightFormat(4, block=32, block_scale=1),  # E2M1 pairs, E8M0 per 32
-}
 _DTYPE_BYTES = {"bfloat16": 2, "float32": 4}  # rollout.dtype
 
 
@@ -416,7 +394,7 @@ def engine_weights(s: Shape, precision: str, scope: str, fmt: str | None, dtype:
     b = _DTYPE_BYTES[dtype]
     out = dict.fromkeys(("quantized", "full", "masters", "experts", "embedding", "replicated"), 0)
     for x in hf_tensors(s):
-        n = WEIGHT_FORMATS[fmt].nbytes(*x.shape) if x.name in names else x.numel * b
+        n = FORMATS[fmt].weight_bytes(*x.shape) if x.name in names else x.numel * b
         out["quantized" if x.name in names else "full"] += n
         out["masters"] += x.numel * b if x.name in names else 0
         out["experts"] += n if x.kind == "experts" else 0

@@ -16,8 +16,8 @@ from qurl_mcore.config import load_config
 from qurl_mcore.models.cards import CARDS, card
 from qurl_mcore.models.registry import hf_linears, shape
 from qurl_mcore.models.slots import LINEAR_GROUPS
+from qurl_mcore.quant.formats import FORMATS
 from qurl_mcore.sizing import (
-    WEIGHT_FORMATS,
     activation_bytes,
     check_fits,
     hf_tensors,
@@ -181,7 +181,7 @@ def test_weight_format_bytes_equal_real_quantized_weights(method, fmt, shape):
 
     q = quantize_weight(torch.randn(shape), engine_recipe(method, fmt).spec)
     real = sum(t.numel() * t.element_size() for t in (q.data, q.scale, q.global_scale) if t is not None)
-    assert WEIGHT_FORMATS[fmt].nbytes(*shape) == real
+    assert FORMATS[fmt].weight_bytes(*shape) == real
 
 
 def test_check_fits_names_the_lever():

@@ -99,7 +99,8 @@ def start_actors(cfg: Config, model_path: str, stop=None) -> tuple[TrainerGroup,
     master, port = ray.get(ray.remote(_rendezvous).options(
         **_options(placement, pg, placement.trainer[0], 0, threads)).remote())
     trainers = [ray.remote(PolicyTrainer).options(**_options(placement, pg, b, placement.share, threads)).remote(
-        cfg, rank, world, master, port, log_file=f"{logs}/trainer-{rank}.log") for rank, b in enumerate(placement.trainer)]
+        cfg, rank, world, master, port, log_file=f"{logs}/trainer-{rank}.log")
+        for rank, b in enumerate(placement.trainer)]
     engines = cfg.rollout.engines
     # on the driver's node: an engine node that goes down must not take the manager (the driver's view of the
     # engines) with it, or the failure is reported as the manager's

@@ -6,9 +6,9 @@ rope and tokenizer fields left out). `card(name)` finds one by the checkpoint di
 config's `model.path: /models/Qwen2.5-Math-7B` sizes as Qwen2.5-Math-7B wherever the path is absent; an
 "-Instruct" suffix names the same shape as its base model.
 
-"DeepSeek-V3-shape" is a shape only, sized with the Qwen3-MoE table (model_type qwen3_moe, so q/k norms too): its multi-head
-latent attention (MLA) is approximated by grouped-query attention with 128 heads of 128 and 2 key-value heads
-(512 cached values per token and layer; MLA caches 576), all 61 layers are MoE (the real model's first 3 are
+"DeepSeek-V3-shape" is a shape only, sized with the Qwen3-MoE table (model_type qwen3_moe, so q/k norms too): its
+multi-head latent attention (MLA) is approximated by grouped-query attention with 128 heads of 128 and 2 key-value
+heads (512 cached values per token and layer; MLA caches 576), all 61 layers are MoE (the real model's first 3 are
 dense), and the multi-token-prediction module is left out. It counts 707B parameters, 5% more than the real 671B.
 """
 from __future__ import annotations

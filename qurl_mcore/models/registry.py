@@ -2,9 +2,9 @@
 their tables (`slots.py` says what a table holds). Adding an architecture is one table file and one entry in
 `ARCHITECTURES`.
 
-Lookups by config: `architecture`, `slots`, `features`, `shape`, `num_experts`, `hf_linears`. Lookups by name alone (a Megatron parameter,
-an HF tensor, an SGLang module), across every registered table: `megatron_slot`, `hf_uaq_role`,
-`sglang_linears`; a name two tables would read differently is refused when the index is built.
+Lookups by config: `architecture`, `slots`, `features`, `shape`, `num_experts`, `hf_linears`. Lookups by name alone
+(a Megatron parameter, an HF tensor, an SGLang module), across every registered table: `megatron_slot`,
+`hf_uaq_role`, `sglang_linears`; a name two tables would read differently is refused when the index is built.
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ Every function here maps *already scaled* values to a format's grid and back; ch
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from enum import Enum
 
@@ -72,6 +74,13 @@ class FormatSpec:
     def tensor_scale_bytes(self) -> int:
         """Bytes of the per-tensor scale on top of the group scales (NVFP4's fp32 one), else 0."""
         return self.scale_encoding.value[1]
+
+    def weight_bytes(self, rows: int, cols: int) -> int:
+        """Bytes of a [rows, cols] weight as the rollout engines store it: rows·cols·bits/8 of codes, one scale
+        per `block` elements of a row (block formats) or per row (the others: per-channel), and the tensor
+        scale. `qurl plan` sizes engines with it; a test checks it against real quantized weights."""
+        groups = rows * math.ceil(cols / self.block) if self.block else rows
+        return rows * cols * self.bits // 8 + groups * self.scale_bytes + self.tensor_scale_bytes
 
 
 FORMATS: dict[str, FormatSpec] = {f.name: f for f in (
