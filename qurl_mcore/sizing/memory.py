@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import Config
-from .precision import num_experts, quantized_linears
+from ..config import Config
+from ..precision import num_experts, quantized_linears
 
 GB = 10**9
 GiB = 2**30
@@ -164,10 +164,10 @@ _REPLICATED = ("norm", "router")
 def model_config(path: str) -> tuple[dict[str, Any], str]:
     """(config.json as a dict, where it came from) for `model.path`: the checkpoint's config.json when the
     path exists (or is "smollm2" / "tiny-<arch>"), else the architecture card of its basename."""
-    from .models.cards import card
+    from ..models.cards import card
 
     if path == "smollm2" or path.startswith("tiny-"):
-        from .models import resolve_model_path
+        from ..models import resolve_model_path
 
         path = str(resolve_model_path(path))
     config = Path(path) / "config.json"
@@ -728,7 +728,7 @@ def _verdict(s: Shape, cfg: Config, gpu: GPU, master: str, gpus_per_node: int,
 
 def _nodes_needed(cfg: Config, gpus_per_node: int) -> int:
     """Nodes of `gpus_per_node` GPUs the placement (`loop.actors.plan`) fills; engines do not span nodes."""
-    from .loop.actors import plan as placement
+    from ..loop.actors import plan as placement
 
     p = placement(cfg, use_gpu=True)
     trainer = math.ceil(len(p.trainer) / gpus_per_node)
