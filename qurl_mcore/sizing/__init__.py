@@ -1,22 +1,22 @@
-"""`qurl plan`: the bytes of a run on each GPU, the weight push and the decode ceiling (docs/plan.md)."""
-from .memory import (
-    GPUS,
-    WEIGHT_FORMATS,
-    Shape,
-    activation_bytes,
-    check_fits,
-    engine_bytes,
-    format_plan,
-    hf_tensors,
-    layer_activation_bytes,
-    local_gpu,
-    model_config,
-    parameter_count,
-    plan,
-    push_bytes,
-    sglang_reserve,
-    trainer_bytes,
-)
+"""`qurl plan`: the bytes of a run on each GPU, the weight push and the decode ceiling, before a GPU hour is
+spent. Pure functions over a model shape (an HF config.json as a dict) and a `Config`; importing this package
+imports neither torch nor Megatron nor SGLang (the trainer's dtype and optimizer defaults are `Config`'s, which
+asks torch when called). docs/plan.md states every formula with its source and compares the numbers with
+published ones.
+
+  gpus      the GPU catalogue and the links a weight push can cross
+  tensors   the model's shape, its tensors in push order, the bytes of a quantized weight in each format
+  memory    a trainer rank's bytes (states, activations) and an engine GPU's (weights, masters, KV, reserve)
+  speed     a weight push's bytes and seconds, and an engine's decode ceiling
+  verdict   whether each kind of GPU fits, the levers that make it fit, and the whole `Plan`
+  report    the plan as the lines `qurl plan` prints
+"""
+from .gpus import GPUS, local_gpu
+from .memory import activation_bytes, engine_bytes, layer_activation_bytes, sglang_reserve, trainer_bytes
+from .report import format_plan
+from .speed import push_bytes
+from .tensors import WEIGHT_FORMATS, Shape, hf_tensors, model_config, parameter_count
+from .verdict import check_fits, plan
 
 __all__ = [
     "GPUS", "WEIGHT_FORMATS", "Shape", "activation_bytes", "check_fits", "engine_bytes", "format_plan", "hf_tensors",
