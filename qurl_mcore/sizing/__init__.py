@@ -16,10 +16,10 @@ from .memory import activation_bytes, engine_bytes, layer_activation_bytes, sgla
 from .report import format_plan
 from .speed import push_bytes
 from .tensors import WEIGHT_FORMATS, Shape, hf_tensors, model_config, parameter_count
-from .verdict import check_fits, plan
+from .verdict import check_fits, size_run
 
 __all__ = [
     "GPUS", "WEIGHT_FORMATS", "Shape", "activation_bytes", "check_fits", "engine_bytes", "format_plan", "hf_tensors",
-    "layer_activation_bytes", "local_gpu", "model_config", "parameter_count", "plan", "push_bytes", "sglang_reserve",
-    "trainer_bytes",
+    "layer_activation_bytes", "local_gpu", "model_config", "parameter_count", "push_bytes", "sglang_reserve",
+    "size_run", "trainer_bytes",
 ]

@@ -159,10 +159,10 @@ def _nodes_needed(cfg: Config, gpus_per_node: int) -> int:
     return trainer + math.ceil(len(p.engines) / per_node)
 
 
-def plan(cfg: Config, hf: dict[str, Any], gpu: str, gpus_per_node: int = 8, nodes: int | None = None,
-         master: str = "host", link: str | None = None, source: str = "") -> Plan:
-    """The plan of `cfg` for the model of config.json `hf` on `gpu` (a key of `GPUS`): every section of the
-    module docstring. `master`: where the engines keep full-precision masters (the plugin's default: host).
+def size_run(cfg: Config, hf: dict[str, Any], gpu: str, gpus_per_node: int = 8, nodes: int | None = None,
+             master: str = "host", link: str | None = None, source: str = "") -> Plan:
+    """The plan of `cfg` for the model of config.json `hf` on `gpu` (a key of `GPUS`): every section `qurl plan`
+    prints (docs/plan.md). `master`: where the engines keep full-precision masters (the plugin's default: host).
     `link`: the push's link (default: CUDA IPC on the same GPU when colocated, NVLink when disaggregated on one
     node, InfiniBand across nodes). Raises ValueError naming a bad value."""
     g = get_gpu(gpu)
@@ -206,4 +206,4 @@ def plan(cfg: Config, hf: dict[str, Any], gpu: str, gpus_per_node: int = 8, node
 def check_fits(cfg: Config, hf_config: dict[str, Any], gpu: str) -> list[str]:
     """The memory problems of `cfg` on `gpu` (a key of `GPUS`), each naming the lever that fixes it; empty when
     every GPU of the layout fits. For `preflight` on GPU targets: `problems += check_fits(cfg, hf, gpu)`."""
-    return plan(cfg, hf_config, gpu).problems
+    return size_run(cfg, hf_config, gpu).problems
