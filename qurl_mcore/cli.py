@@ -214,13 +214,13 @@ def _export(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
 
     from .config import ConfigError, load_config
-    from .sizing import format_plan, model_config, plan
+    from .sizing import format_plan, model_config, size_run
 
     try:
         cfg = load_config(args.config, args.overrides)
         hf, source = model_config(cfg.model.path)
-        result = plan(cfg, hf, args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, master=args.master,
-                      link=args.link, source=source)
+        result = size_run(cfg, hf, args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
+                          master=args.master, link=args.link, source=source)
     except (ConfigError, ValueError, OSError) as err:
         print(f"qurl plan: {' '.join(str(err).split())}")
         return 2

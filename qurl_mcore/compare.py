@@ -170,8 +170,8 @@ class Run:
         return f"{self.variant.label} seed {self.seed}"
 
 
-def plan(variants: Sequence[Variant], seeds: Sequence[int], out: Path, base: Path | None = None,
-         overrides: Sequence[str] = ()) -> list[Run]:
+def runs_of(variants: Sequence[Variant], seeds: Sequence[int], out: Path, base: Path | None = None,
+            overrides: Sequence[str] = ()) -> list[Run]:
     """Every run, seed-major, each config loaded and checked (ConfigError lists every problem of the first bad
     one) before anything starts."""
     labels = [v.label for v in variants]
@@ -249,7 +249,7 @@ def compare(variants: Sequence[Variant], seeds: Sequence[int], out: Path, *, bas
     study's runs are 1.6 GB each with SmolLM2); a run made longer later then starts over."""
     if jobs < 1:
         raise ValueError(f"--jobs {jobs}: at least one run at a time")
-    runs = plan(variants, seeds, Path(out), base, overrides)
+    runs = runs_of(variants, seeds, Path(out), base, overrides)
     done = [finished(run) for run in runs]  # every changed config refused before anything starts
     todo = []
     for i, (run, was_done) in enumerate(zip(runs, done) if not report_only else [], 1):

@@ -209,7 +209,7 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
 
 
 def _memory_plan(cfg: Config, hf: dict[str, Any], out: Preflight, gpu: str | None) -> None:
-    """On GPUs: the run's bytes per GPU (`qurl plan`, sizing.py) on `gpu` (default: this machine's kind of
+    """On GPUs: the run's bytes per GPU (`qurl plan`, qurl_mcore/sizing) on `gpu` (default: this machine's kind of
     GPU); a plan that does not fit is refused, each problem naming its lever."""
     gpu = gpu or local_gpu()
     if gpu is None:

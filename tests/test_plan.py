@@ -1,4 +1,4 @@
-"""`qurl plan` (qurl_mcore/sizing.py) against the world: parameter counts of real HF models, the bytes of a real
+"""`qurl plan` (qurl_mcore/sizing/) against the world: parameter counts of real HF models, the bytes of a real
 trainer's tensors after a step, the bytes and buckets a real weight push streams, real quantized tensors, the
 shipped GPU configs, and the command line. Activations are not measured here: the CPU trainer runs Megatron's
 local attention in fp32, not the GPU path (bf16, SDPA) the activation formula describes."""
@@ -24,8 +24,8 @@ from qurl_mcore.sizing import (
     layer_activation_bytes,
     model_config,
     parameter_count,
-    plan,
     push_bytes,
+    size_run,
     trainer_bytes,
 )
 
@@ -224,10 +224,10 @@ def test_offload_lowers_a_colocated_gpus_peak():
     states + the engine's peak), not at the sum of both peaks."""
     hf, _ = model_config("/models/Qwen2.5-Math-7B")
     base = ["rollout.max_total_tokens=65536", "rollout.mem_fraction=0.5"]
-    kept = plan(load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", base + ["rollout.offload=false"]), hf,
-                "h100-80g")
-    freed = plan(load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", base + ["rollout.offload=true"]), hf,
-                 "h100-80g")
+    kept = size_run(load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", base + ["rollout.offload=false"]),
+                    hf, "h100-80g")
+    freed = size_run(load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", base + ["rollout.offload=true"]),
+                     hf, "h100-80g")
     assert (kept.hardware["offload"], freed.hardware["offload"]) == (False, True)
     t, e = freed.trainer, freed.engines
     export = t["static"] + freed.push["bucket_bytes"] + 2 * freed.push["largest_tensor"]
@@ -242,15 +242,15 @@ def test_colocated_engines_are_given_a_mem_fraction_that_fits():
     fits; that fraction then plans clean and holds the KV cache it promised."""
     hf, _ = model_config("/models/Qwen2.5-Math-7B")
     cfg = load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", ["rollout.mem_fraction=0"])
-    problems = plan(cfg, hf, "h100-80g").problems
+    problems = size_run(cfg, hf, "h100-80g").problems
     assert len(problems) == 1 and problems[0].startswith("rollout.mem_fraction: 0 lets each engine"), problems
     fraction = float(re.search(r"set rollout.mem_fraction=([0-9.]+)", problems[0]).group(1))
-    fixed = plan(load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", [f"rollout.mem_fraction={fraction}"]),
-                 hf, "h100-80g")
+    fixed = size_run(load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", [f"rollout.mem_fraction={fraction}"]),
+                     hf, "h100-80g")
     assert fixed.problems == [] and fixed.engines["mem_fraction"] <= fraction
     small = load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", ["rollout.mem_fraction=0.1"])
-    assert any(p.startswith("rollout.mem_fraction: 0.1 of a h100-80g holds less") for p in plan(small, hf,
-                                                                                                   "h100-80g").problems)
+    assert any(p.startswith("rollout.mem_fraction: 0.1 of a h100-80g holds less")
+               for p in size_run(small, hf, "h100-80g").problems)
 
 
 # ---- the shipped GPU configs fit their stated hardware ------------------------------------------------------
@@ -266,7 +266,7 @@ def test_shipped_gpu_configs_fit(path):
     nodes, per_node, gpu = _HARDWARE.search(header).groups()
     cfg = load_config(CONFIGS / path)
     hf, source = model_config(cfg.model.path)
-    result = plan(cfg, hf, _GPU[gpu], gpus_per_node=int(per_node), nodes=int(nodes), source=source)
+    result = size_run(cfg, hf, _GPU[gpu], gpus_per_node=int(per_node), nodes=int(nodes), source=source)
     assert result.problems == []
     assert result.hardware["nodes_needed"] == int(nodes)
     assert all(v["fits"] for v in result.verdict)

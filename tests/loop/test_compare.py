@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qurl_mcore.compare import (band, compare, finished, format_cell, last_k_mean, parse_variant, plan, series,
+from qurl_mcore.compare import (band, compare, finished, format_cell, last_k_mean, parse_variant, runs_of, series,
                                 spread, summarize)
 from qurl_mcore.config import load_config, to_dict
 
@@ -85,7 +85,7 @@ def test_plan_layers_a_partial_config_over_the_base(tmp_path):
                                     "data": {"system_prompt": "Reply: only the number."}}))
     variant = tmp_path / "fp8.yaml"
     variant.write_text("precision: fp8\ntrain: {loss: tis, tis_cap: 3}\nuaq: {scale: 2}\n")
-    runs = plan([parse_variant(str(variant))], [0, 3], tmp_path / "out", base, ["steps=2"])
+    runs = runs_of([parse_variant(str(variant))], [0, 3], tmp_path / "out", base, ["steps=2"])
     assert [(r.variant.label, r.seed) for r in runs] == [("fp8", 0), ("fp8", 3)]
     merged = tmp_path / "merged.yaml"  # what the layering means, written out by hand
     merged.write_text(yaml.safe_dump({"precision": "fp8", "steps": 2, "seed": 3, "uaq": {"scale": 2},
@@ -102,9 +102,9 @@ def test_plan_refuses_what_compare_owns_and_ambiguous_labels(tmp_path):
     config = tmp_path / "a.yaml"
     config.write_text("steps: 2\n")
     with pytest.raises(ValueError, match=r"--set \['seed=4'\]: compare sets seed"):
-        plan([parse_variant(str(config))], [0], tmp_path, None, ["seed=4"])
+        runs_of([parse_variant(str(config))], [0], tmp_path, None, ["seed=4"])
     with pytest.raises(ValueError, match=r"labels \['a'\] name several configs"):
-        plan([parse_variant(str(config)), parse_variant(str(config))], [0], tmp_path)
+        runs_of([parse_variant(str(config)), parse_variant(str(config))], [0], tmp_path)
 
 
 def _write_records(run, rewards: list[float], **extra) -> None:
@@ -118,14 +118,14 @@ def test_finished_reads_run_json_and_refuses_a_changed_config(tmp_path):
     config = tmp_path / "a.yaml"
     config.write_text("steps: 2\n")
     out = tmp_path / "out"
-    (run,) = plan([parse_variant(str(config))], [0], out)
+    (run,) = runs_of([parse_variant(str(config))], [0], out)
     assert not finished(run)
     run.dir.mkdir(parents=True)
     (run.dir / "run.json").write_text(json.dumps({"steps": 2, "wall_s": 1.0, "config": to_dict(run.cfg)}))
     assert finished(run)
-    (longer,) = plan([parse_variant(str(config))], [0], out, None, ["steps=3"])
+    (longer,) = runs_of([parse_variant(str(config))], [0], out, None, ["steps=3"])
     assert not finished(longer)  # more steps: resumed from its checkpoint
-    (changed,) = plan([parse_variant(str(config))], [0], out, None, ["train.lr=3e-6"])
+    (changed,) = runs_of([parse_variant(str(config))], [0], out, None, ["train.lr=3e-6"])
     with pytest.raises(ValueError, match=r"another config \(train.lr 1e-06 -> 3e-06\); remove that directory"):
         finished(changed)
 
@@ -136,7 +136,7 @@ def test_report_only_aggregates_what_the_runs_logged(tmp_path):
     b.write_text("steps: 3\n")
     variants = [parse_variant(f"{a}:int8"), parse_variant(f"{b}:bf16")]
     out = tmp_path / "out"
-    runs = plan(variants, [0, 1], out)
+    runs = runs_of(variants, [0, 1], out)
     _write_records(runs[0], [0.0, 0.5, 1.0], **{"uaq/update_capture": 0.01})  # int8 seed 0
     _write_records(runs[1], [0.1, 0.3, 0.5])  # bf16 seed 0
     _write_records(runs[2], [0.2, 0.2, 0.4, 0.9], **{"uaq/update_capture": 0.03})  # int8 seed 1: step 4 > steps

@@ -14,7 +14,8 @@ from qurl_mcore.megatron.logprobs import token_logprobs
 from qurl_mcore.models import resolve_model_path
 from qurl_mcore.models.registry import shape
 from qurl_mcore.recipe import resolve
-from qurl_mcore.sizing import _stages, activation_bytes, layer_activation_bytes, model_config
+from qurl_mcore.sizing import activation_bytes, layer_activation_bytes, model_config
+from qurl_mcore.sizing.memory import _stages
 
 
 def _plan(name: str, precision: str, s: int, b: int, recompute: str = "none"):

@@ -1,0 +1,81 @@
+"""How fast a run moves weights and tokens: the bytes, buckets and wire time of one weight push, and the decode
+ceiling of one engine (tokens/s bound by HBM bandwidth and tensor-core peak), bf16 against the config's
+precision."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..config import Config
+from ..models.slots import Shape
+from .gpus import GB, GPU
+from .memory import _kv_beside, engine_bytes
+from .tensors import _DTYPE_BYTES, hf_tensors, parameter_count
+
+
+# ---- weight push ------------------------------------------------------------------------------------------
+
+def push_bytes(s: Shape, cfg: Config) -> dict[str, Any]:
+    """One weight push: every HF tensor in rollout.dtype, in export order, grouped greedily into buckets of at
+    most rollout.push_bucket_mb MiB (a larger tensor travels alone: `transfer.buckets`)."""
+    b, limit = _DTYPE_BYTES[cfg.rollout.dtype], cfg.rollout.push_bucket_mb << 20
+    buckets, size, largest = 0, 0, 0
+    for x in hf_tensors(s, cfg.train.pp_size, cfg.train.ep_size):
+        n = x.numel * b
+        largest = max(largest, n)
+        if buckets == 0 or size + n > limit:
+            buckets, size = buckets + 1, 0
+        size += n
+    return {"bytes": parameter_count(s) * b, "buckets": buckets, "bucket_bytes": limit, "largest_tensor": largest}
+
+
+def push_seconds(nbytes: int, gb_s: float) -> float:
+    """Transfer time at `gb_s` GB/s (the wire only: export gathers and re-quantization are extra)."""
+    return nbytes / (gb_s * GB)
+
+
+# ---- decode ceiling ---------------------------------------------------------------------------------------
+
+def decode_tokens_per_s(s: Shape, weights: dict[str, int], gpu: GPU, tp: int, fmt: str | None, batch: int,
+                        context: int, kv_per_token: int) -> float:
+    """Upper bound on one engine's decode tokens/s for `batch` sequences of mean length `context`:
+      batch / max(bytes_step / (TP·HBM bandwidth), flops_step / (TP·peak of fmt's GEMMs))
+      bytes_step = weights read (all but the embedding table when untied; of the experts the expected share
+                   a batch touches, 1 − (1 − k/E)^batch, routing uniform) + batch·context·KV bytes per token
+      flops_step = batch·(2·active parameters + 4·L·a·d·context)
+    `weights`: `engine_weights` of the engine; `kv_per_token` over the whole engine."""
+    touched = 1 - (1 - s.topk / s.experts) ** batch if s.experts else 1.0
+    table = 0 if s.tied else weights["embedding"]
+    w_read = weights["quantized"] + weights["full"] - table - weights["experts"] * (1 - touched)
+    embedding = 0 if s.tied else s.vocab * s.hidden
+    expert_params = sum(x.numel for x in hf_tensors(s) if x.kind == "experts")
+    active = parameter_count(s) - embedding - expert_params * (1 - (s.topk / s.experts if s.experts else 0))
+    flops = batch * (2 * active + 4 * s.layers * s.heads * s.head_dim * context)
+    seconds = max((w_read + batch * context * kv_per_token) / (tp * gpu.hbm_tb_s * 1e12),
+                  flops / (tp * gpu.peak_tflops(fmt) * 1e12))
+    return batch / seconds
+
+
+def rollout_ceiling(s: Shape, cfg: Config, gpu: GPU, master: str = "host",
+                    beside: int | None = None) -> dict[str, Any]:
+    """The decode ceiling of one engine, bf16 against the config's precision (each engine with the KV cache it
+    gets): at batch 1 (weight-bound: the most quantized weights can buy) and at the step's batch (the
+    sequences each engine gets, as many as its KV cache holds at mean length context_length/2). `beside`: the
+    bytes of a colocated trainer rank, when the KV cache is what is left beside it."""
+    r = cfg.rollout
+    _, _, fmt = cfg.resolved_precision()
+    context = r.context_length // 2
+    wanted = math.ceil(cfg.data.prompts_per_step * r.samples_per_prompt / r.engines)
+    out: dict[str, Any] = {"context": context, "sequences_per_engine": wanted}
+    for label, precision, f in (("bf16", "bf16", None), ("quantized", None, fmt)):
+        kv = None if beside is None else _kv_beside(s, cfg, gpu, master, beside, precision)
+        eng = engine_bytes(s, cfg, gpu, master, kv, precision)
+        batch = max(1, min(wanted, eng["kv_tokens"] // context))
+        per_token = eng["kv_bytes_per_token"] * r.tp_size
+        args = (s, eng["weights"], gpu, r.tp_size, f)
+        out[label] = {"batch": batch, "kv_tokens": eng["kv_tokens"],
+                      "tokens_per_s_batch1": decode_tokens_per_s(*args, 1, context, per_token),
+                      "tokens_per_s": decode_tokens_per_s(*args, batch, context, per_token)}
+    out["ratio_batch1"] = out["quantized"]["tokens_per_s_batch1"] / out["bf16"]["tokens_per_s_batch1"]
+    out["ratio"] = out["quantized"]["tokens_per_s"] / out["bf16"]["tokens_per_s"]
+    return out
