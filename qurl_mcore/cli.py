@@ -355,8 +355,23 @@ def _add_align(sub) -> None:
     p.set_defaults(func=_align)
 
 
+def version() -> str:
+    """The installed distribution's version, else (a checkout on PYTHONPATH) the package's own, which setup.py
+    reads too; with where the package is, since a checkout can shadow an installed copy."""
+    from importlib import metadata
+
+    from . import __file__ as where, __version__
+
+    try:
+        number = metadata.version("qurl-mcore")
+    except metadata.PackageNotFoundError:
+        number = __version__
+    return f"qurl-mcore {number} ({Path(where).parent})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qurl", description="Quantized-rollout RL for Megatron-Core and SGLang.")
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("quant-report", help="each format's error and the RC gain on a real weight matrix")
     rep.add_argument("--tensor", default="token_embd.weight", help="GGUF tensor name of SmolLM2-135M-Instruct")
