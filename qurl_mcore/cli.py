@@ -125,7 +125,7 @@ def _launch_slurm(args: argparse.Namespace) -> int:
     env = dict(item.split("=", 1) for item in args.env)
     job = SlurmJob(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, config=args.config, overrides=args.overrides,
-        workdir=args.workdir, layout=args.layout, rollout_nodes=args.rollout_nodes, job_name=args.job_name,
+        workdir=args.workdir, layout=args.layout, rollout_nodes=args.rollout_nodes, job_name=args.job_name, gpu=args.gpu,
         partition=args.partition, account=args.account, time=args.time, cpus_per_node=args.cpus_per_node,
         container_image=args.container_image, container_mounts=args.container_mounts, venv=args.venv,
         log_dir=args.log_dir, ckpt_dir=args.ckpt_dir, env=env, command=args.train_command,
@@ -154,11 +154,14 @@ def _add_launch(sub) -> None:
     p.add_argument("--time", help="Slurm time limit, e.g. 04:00:00; the job requeues itself before it")
     p.add_argument("--container-image", help="run every step in this image (pyxis/enroot)")
     p.add_argument("--container-mounts", help="pyxis mounts (default: the work directory at the same path)")
-    p.add_argument("--layout", choices=["colocated", "disaggregated"], default="colocated")
-    p.add_argument("--rollout-nodes", type=int, default=0, help="disaggregated: nodes that only roll out")
+    p.add_argument("--gpu", help="the nodes' GPU, h100-80g, h200-141g or b200-180g: plan the memory as qurl plan "
+                                 "does (default: not planned)")
+    p.add_argument("--layout", choices=["colocated", "disaggregated"], help="default: the config's")
+    p.add_argument("--rollout-nodes", type=int,
+                   help="disaggregated: nodes that only roll out (default: as many as the config's engines fill)")
     p.add_argument("--cpus-per-node", type=int, default=16)
     p.add_argument("--object-store-gb", type=int, default=10, help="Ray object store per node (default 10)")
-    p.add_argument("--job-name", default="qurl")
+    p.add_argument("--job-name", help="default: the config file's name")
     p.add_argument("--workdir", default=".", help="the qurl-mcore checkout every node sees (default: here)")
     p.add_argument("--venv", help="virtual environment to use (default: WORKDIR/.venv when present)")
     p.add_argument("--log-dir", help="default: WORKDIR/runs/JOB_NAME/logs")
@@ -360,13 +363,13 @@ def version() -> str:
     reads too; with where the package is, since a checkout can shadow an installed copy."""
     from importlib import metadata
 
-    from . import __file__ as where, __version__
+    import qurl_mcore
 
     try:
         number = metadata.version("qurl-mcore")
     except metadata.PackageNotFoundError:
-        number = __version__
-    return f"qurl-mcore {number} ({Path(where).parent})"
+        number = qurl_mcore.__version__
+    return f"qurl-mcore {number} ({Path(__file__).parent})"
 
 
 def main(argv: list[str] | None = None) -> int:
