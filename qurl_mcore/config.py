@@ -113,6 +113,8 @@ class CheckpointConfig:
     every: int = 10
     keep: int = 2
     export_hf: bool = True  # at the end of the run, the trained model as an HF checkpoint in dir/hf
+    # resume a checkpoint whose model, precision or parallel layout differs from the run's (driver.RESUME_FIELDS)
+    allow_mismatch: bool = False
 
 
 @dataclass

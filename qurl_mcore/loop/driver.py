@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from qurl_mcore import checkpoint as ckpt
-from qurl_mcore.config import Config, ConfigError, to_dict
+from qurl_mcore.config import Config, ConfigError, flatten, to_dict
 from qurl_mcore.rl.advantages import dynamic_sampling_mask, grpo_advantages, rloo_advantages
 
 from .batch import Sample, collate
@@ -286,6 +286,21 @@ def _progress(cfg: Config, start: int):
                 file=sys.stderr, dynamic_ncols=True)
 
 
+#: what a checkpoint is tied to: the model its weights are, the precision they trained under, and how its rank
+#: files slice them
+RESUME_FIELDS = ("model.path", "precision", "scope", "fp4_format", "train.dtype", "train.tp_size", "train.pp_size",
+                 "train.ep_size", "train.dp_size")
+
+
+def resume_mismatch(saved: dict, cfg: Config) -> list[str]:
+    """The RESUME_FIELDS whose value in a checkpoint's config (`saved`, meta.json's) differs from `cfg`'s, each
+    as "key: checkpoint's value (checkpoint) vs cfg's (this run)"; a field the checkpoint does not record is
+    not compared."""
+    before, now = flatten(saved), flatten(to_dict(cfg))
+    return [f"{key}: {before[key]!r} (checkpoint) vs {now[key]!r} (this run)" for key in RESUME_FIELDS
+            if key in before and before[key] != now[key]]
+
+
 def run(cfg: Config, address: str | None = None) -> RunResult:
     """Train for `cfg.steps` steps (resuming from `cfg.checkpoint.dir` when it holds a checkpoint). `address`
     joins an existing Ray cluster (default: $RAY_ADDRESS, else a local one). Raises ConfigError listing
@@ -308,6 +323,12 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         raise ConfigError(checked.report())
     locks = lock_dirs(cfg.checkpoint.dir, cfg.logging.dir)  # one run per directory, to the run's end
     resume_from, damaged = ckpt.latest_valid(cfg.checkpoint.dir)  # before anything starts: it reads every file
+    differ = resume_mismatch(ckpt.read_meta(resume_from)["config"], cfg) if resume_from else []
+    if differ and not cfg.checkpoint.allow_mismatch:
+        locks.release()
+        raise ConfigError(f"{resume_from} was written by another run: {'; '.join(differ)}; give this run its own "
+                          "checkpoint.dir, or set checkpoint.allow_mismatch=true to continue that checkpoint with "
+                          "this run's settings")
     for path, problem in damaged:
         say(f"checkpoint {path} is damaged ({problem}); " +
             (f"resuming from {resume_from} instead" if resume_from else "starting from scratch"))
