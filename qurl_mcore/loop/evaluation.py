@@ -82,7 +82,7 @@ def evaluate_model(cfg: Config, model_path: str, startup_timeout: float = 600.0)
     from transformers import AutoTokenizer
 
     from qurl_mcore.models import resolve_model_path
-    from qurl_mcore.tasks import REWARDS
+    from qurl_mcore.tasks import load_reward
 
     from .sampler import EngineHost, chat_ids, engine_config, load_prompt_set
 
@@ -101,6 +101,6 @@ def evaluate_model(cfg: Config, model_path: str, startup_timeout: float = 600.0)
         generations = host.generate([i for i in ids for _ in range(n)], sampling(cfg))
     finally:
         host.shutdown()
-    metrics, rewards = score(REWARDS[cfg.data.reward], generations, [ex.answer for ex in examples for _ in range(n)],
+    metrics, rewards = score(load_reward(cfg.data.reward), generations, [ex.answer for ex in examples for _ in range(n)],
                              n, cfg.rollout.max_new_tokens)
     return {"metrics": metrics, "samples": samples(examples, n, generations, rewards)}
