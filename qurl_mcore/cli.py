@@ -292,7 +292,13 @@ def _eval(args: argparse.Namespace) -> int:
 
     from .config import ConfigError, load_config
     from .loop.evaluation import evaluate_model
+    from .models import resolve_model_path
 
+    try:  # before the prompts and the engine: a wrong --model is the likeliest mistake
+        resolve_model_path(args.model)
+    except OSError as err:
+        print(f"qurl eval: --model {err}", file=sys.stderr)
+        return 2
     flags = {"precision": args.precision, "eval.n": args.n, "eval.temperature": args.temperature,
              "eval.num_prompts": args.num_prompts}
     try:  # the flags as overrides, checked like the config's fields; a path stays a string
@@ -300,13 +306,16 @@ def _eval(args: argparse.Namespace) -> int:
         if args.data:
             cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, data=args.data))
         cfg.resolved_precision()  # a scope or format the precision does not take
-        result = evaluate_model(cfg, args.model)
+        # without a config no training run is known: the generated additions need not leave any out
+        result = evaluate_model(cfg, args.model, held_out=args.config is not None)
     except (ConfigError, ValueError, OSError) as err:
         print(f"qurl eval: {err}", file=sys.stderr)
         return 2
     precision, scope, fmt = cfg.resolved_precision()
     result = {"model": args.model, "precision": precision.name, "scope": scope, "format": fmt,
-              "data": cfg.eval.data or "additions that are no training prompt", "n": cfg.eval.n,
+              "data": cfg.eval.data or ("additions that are no training prompt of the config" if args.config
+                                        else "additions (no --config: training prompts not left out)"),
+              "n": cfg.eval.n,
               "temperature": cfg.eval.temperature, "num_prompts": len(result["samples"]) // cfg.eval.n, **result}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -325,7 +334,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--precision", choices=list(PRECISIONS),
                    help="the engine's precision, its rollout side (default: the config's)")
     p.add_argument("--data", help=".jsonl or .parquet prompts (keys data.prompt_key/answer_key; default: the "
-                                  "config's eval.data, else task addition's split unseen in training)")
+                                  "config's eval.data, else additions, with --config none of its training prompts)")
     p.add_argument("--n", type=_positive, help="samples per prompt (default 1)")
     p.add_argument("--temperature", type=float, help="0: greedy, accuracy = pass@1 (default); > 0: mean@n")
     p.add_argument("--num-prompts", type=_positive, help="the data's first prompts (default 64)")

@@ -74,23 +74,32 @@ def samples(examples: list[Example], n: int, generations: list[Generation], rewa
             for ex, g, reward in zip(asked, generations, rewards, strict=True)]
 
 
-def evaluate_model(cfg: Config, model_path: str, startup_timeout: float = 600.0) -> dict:
+def eval_prompts(cfg: Config, held_out: bool = True) -> list[Example]:
+    """`qurl eval`'s prompts: `eval.data`'s, or task addition's generated ones, leaving out `cfg`'s training
+    prompts when `held_out` (see `evaluate_model`). Raises ValueError naming the field to fix."""
+    from .sampler import load_prompt_set
+
+    generated_split = not cfg.eval.data and cfg.data.task == "addition"
+    return eval_examples(cfg, load_prompt_set(cfg) if generated_split and held_out else [])
+
+
+def evaluate_model(cfg: Config, model_path: str, startup_timeout: float = 600.0, held_out: bool = True) -> dict:
     """`qurl eval`: the evaluation `cfg` describes, on the HF checkpoint `model_path` (or a name `model.path`
     takes) served by one engine of `cfg.precision` started here (as the loop starts them, without Ray).
-    Returns {"metrics": eval/*, "samples": `samples`}."""
+    `held_out`: task addition's generated prompts leave out `cfg`'s training prompts (False: no training run
+    is known, any additions). Returns {"metrics": eval/*, "samples": `samples`}."""
     import torch
     from transformers import AutoTokenizer
 
     from qurl_mcore.models import resolve_model_path
     from qurl_mcore.tasks import load_reward
 
-    from .sampler import EngineHost, chat_ids, engine_config, load_prompt_set
+    from .sampler import EngineHost, chat_ids, engine_config
 
     if greedy_repeats(cfg):
         raise ValueError(greedy_repeats(cfg))
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, offload=False))  # no trainer here
-    generated_split = not cfg.eval.data and cfg.data.task == "addition"
-    examples = eval_examples(cfg, load_prompt_set(cfg) if generated_split else [])
+    examples = eval_prompts(cfg, held_out)
     model_path = str(resolve_model_path(model_path))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     n = cfg.eval.n
