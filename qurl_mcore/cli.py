@@ -314,11 +314,6 @@ def _eval(args: argparse.Namespace) -> int:
     from .loop.evaluation import evaluate_model
     from .models import resolve_model_path
 
-    try:  # before the prompts and the engine: a wrong --model is the likeliest mistake
-        resolve_model_path(args.model)
-    except OSError as err:
-        print(f"qurl eval: --model {err}", file=sys.stderr)
-        return 2
     flags = {"precision": args.precision, "eval.n": args.n, "eval.temperature": args.temperature,
              "eval.num_prompts": args.num_prompts}
     try:  # the flags as overrides, checked like the config's fields; a path stays a string
@@ -326,6 +321,10 @@ def _eval(args: argparse.Namespace) -> int:
         if args.data:
             cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, data=args.data))
         cfg.resolved_precision()  # a scope or format the precision does not take
+        try:  # before the prompts and the engine
+            resolve_model_path(args.model)
+        except OSError as err:
+            raise ValueError(f"--model {err}") from None
         # without a config no training run is known: the generated additions need not leave any out
         result = evaluate_model(cfg, args.model, held_out=args.config is not None)
     except (ConfigError, ValueError, OSError) as err:
