@@ -186,7 +186,9 @@ class SlurmJob:
         except ValueError as err:  # an unknown --gpu
             return [str(err)]
         problems = [f"qurl train --check would refuse: {p}" for p in checked.problems]
-        return problems + [p for p in self._placement_problems(cfg) if not any(p in q for q in problems)]
+        # placement_of's own refusals are preflight's too: said once
+        return problems + [p for p in self._placement_problems(cfg)
+                           if not any(p.removeprefix("placement: ") in q for q in problems)]
 
     def _per_node(self) -> str:
         return (f"{self.gpus_per_node} GPUs and " if self.gpus_per_node else "") + f"{self.cpus_per_node} CPUs"

@@ -189,3 +189,9 @@ def test_a_bundle_larger_than_a_node_is_refused(tmp_path):
     cfg = _config(tmp_path, "layout: disaggregated\n")
     with pytest.raises(ValueError, match=r"fits no node of 2 GPUs and 16 CPUs; lower rollout.tp_size"):
         render(_job(cfg, gpus_per_node=2, overrides=["rollout.tp_size=4", "rollout.engines=1"], rollout_nodes=1))
+
+
+def test_a_layout_rule_of_the_placement_is_said_once(config):
+    with pytest.raises(ValueError) as err:
+        render(_job(config, overrides=["rollout.engines=2"]))  # colocated: more engines than trainer ranks
+    assert str(err.value).count("colocated layout: rollout.engines=2 exceeds the 1 trainer bundles") == 1
