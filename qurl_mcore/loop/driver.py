@@ -301,6 +301,16 @@ def resume_mismatch(saved: dict, cfg: Config) -> list[str]:
             if key in before and before[key] != now[key]]
 
 
+def check_resumable(cfg: Config, path: Path | None) -> None:
+    """Raise ConfigError naming every `resume_mismatch` of checkpoint `path` (None: nothing to resume), unless
+    `checkpoint.allow_mismatch`."""
+    differ = resume_mismatch(ckpt.read_meta(path)["config"], cfg) if path else []
+    if differ and not cfg.checkpoint.allow_mismatch:
+        raise ConfigError(f"{path} was written by another run: {'; '.join(differ)}; give this run its own "
+                          "checkpoint.dir, or set checkpoint.allow_mismatch=true to continue that checkpoint with "
+                          "this run's settings")
+
+
 def run(cfg: Config, address: str | None = None) -> RunResult:
     """Train for `cfg.steps` steps (resuming from `cfg.checkpoint.dir` when it holds a checkpoint). `address`
     joins an existing Ray cluster (default: $RAY_ADDRESS, else a local one). Raises ConfigError listing
@@ -323,12 +333,11 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         raise ConfigError(checked.report())
     locks = lock_dirs(cfg.checkpoint.dir, cfg.logging.dir)  # one run per directory, to the run's end
     resume_from, damaged = ckpt.latest_valid(cfg.checkpoint.dir)  # before anything starts: it reads every file
-    differ = resume_mismatch(ckpt.read_meta(resume_from)["config"], cfg) if resume_from else []
-    if differ and not cfg.checkpoint.allow_mismatch:
+    try:
+        check_resumable(cfg, resume_from)
+    except ConfigError:
         locks.release()
-        raise ConfigError(f"{resume_from} was written by another run: {'; '.join(differ)}; give this run its own "
-                          "checkpoint.dir, or set checkpoint.allow_mismatch=true to continue that checkpoint with "
-                          "this run's settings")
+        raise
     for path, problem in damaged:
         say(f"checkpoint {path} is damaged ({problem}); " +
             (f"resuming from {resume_from} instead" if resume_from else "starting from scratch"))

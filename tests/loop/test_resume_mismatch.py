@@ -5,7 +5,7 @@ import torch
 
 from qurl_mcore import checkpoint as ckpt
 from qurl_mcore.config import ConfigError, load_config, to_dict
-from qurl_mcore.loop.driver import resume_mismatch, run
+from qurl_mcore.loop.driver import check_resumable, resume_mismatch, run
 
 
 def _run_config(tmp_path, *overrides):
@@ -38,3 +38,12 @@ def test_a_run_refuses_another_runs_checkpoint_before_starting(tmp_path):
             f"{path} was written by another run: model.path: 'smollm2' (checkpoint) vs 'tiny-llama' (this run); "
             "precision: 'int8' (checkpoint) vs 'fp8' (this run); give this run its own checkpoint.dir, or set "
             "checkpoint.allow_mismatch=true to continue that checkpoint with this run's settings")
+
+
+def test_allow_mismatch_continues_another_runs_checkpoint(tmp_path):
+    path = _checkpoint_of(_run_config(tmp_path, "precision=int8"))
+    with pytest.raises(ConfigError, match="precision: 'int8' \\(checkpoint\\) vs 'fp8' \\(this run\\)"):
+        check_resumable(_run_config(tmp_path, "precision=fp8"), path)
+    check_resumable(_run_config(tmp_path, "precision=fp8", "checkpoint.allow_mismatch=true"), path)
+    check_resumable(_run_config(tmp_path, "precision=int8"), path)  # its own run
+    check_resumable(_run_config(tmp_path, "precision=fp8"), None)  # nothing to resume
