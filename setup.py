@@ -1,10 +1,20 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# one version: the package's own __version__ (what `qurl --version` prints when the package is not installed)
+VERSION = re.search(r'__version__ = "([^"]+)"', (Path(__file__).parent / "qurl_mcore" / "__init__.py").read_text())[1]
 
 setup(
     name="qurl-mcore",
-    version="0.1.0",
+    version=VERSION,
     description="Quantized-rollout RL (QuRL, MoEResQ) for Megatron-Core training and SGLang rollout",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    classifiers=["Typing :: Typed"],
     packages=find_packages(include=["qurl_mcore", "qurl_mcore.*"]),
+    package_data={"qurl_mcore": ["py.typed"]},
     python_requires=">=3.10",
     # Runtime pins live in requirements/{cpu,gpu}.txt: the CPU and GPU environments take different torch builds.
     install_requires=["torch>=2.6", "numpy"],

@@ -92,10 +92,20 @@ def _train(args: argparse.Namespace) -> int:
 
 def _patch(args: argparse.Namespace) -> int:
 
+    from .patching import TARGETS
+
+    if args.target is None and args.action != "status":
+        print(f"qurl patch {args.action}: give --target, one of {sorted(TARGETS)}")
+        return 2
+    codes = [_patch_target(args, target) for target in ([args.target] if args.target else sorted(TARGETS))]
+    return max(codes) if args.target else 0  # status of every target: those not installed are only reported
+
+
+def _patch_target(args: argparse.Namespace, target: str) -> int:
     from .patching import PatchError, PatchSet
 
     try:
-        ps = PatchSet.installed(args.target, Path(args.patches) if args.patches else None)
+        ps = PatchSet.installed(target, Path(args.patches) if args.patches else None)
         where = f"{ps.target.dist} {ps.version} at {ps.root}"
         if args.action == "apply":
             done = ps.apply()
@@ -125,7 +135,7 @@ def _launch_slurm(args: argparse.Namespace) -> int:
     env = dict(item.split("=", 1) for item in args.env)
     job = SlurmJob(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, config=args.config, overrides=args.overrides,
-        workdir=args.workdir, layout=args.layout, rollout_nodes=args.rollout_nodes, job_name=args.job_name,
+        workdir=args.workdir, layout=args.layout, rollout_nodes=args.rollout_nodes, job_name=args.job_name, gpu=args.gpu,
         partition=args.partition, account=args.account, time=args.time, cpus_per_node=args.cpus_per_node,
         container_image=args.container_image, container_mounts=args.container_mounts, venv=args.venv,
         log_dir=args.log_dir, ckpt_dir=args.ckpt_dir, env=env, command=args.train_command,
@@ -154,11 +164,14 @@ def _add_launch(sub) -> None:
     p.add_argument("--time", help="Slurm time limit, e.g. 04:00:00; the job requeues itself before it")
     p.add_argument("--container-image", help="run every step in this image (pyxis/enroot)")
     p.add_argument("--container-mounts", help="pyxis mounts (default: the work directory at the same path)")
-    p.add_argument("--layout", choices=["colocated", "disaggregated"], default="colocated")
-    p.add_argument("--rollout-nodes", type=int, default=0, help="disaggregated: nodes that only roll out")
+    p.add_argument("--gpu", help="the nodes' GPU, h100-80g, h200-141g or b200-180g: plan the memory as qurl plan "
+                                 "does (default: not planned)")
+    p.add_argument("--layout", choices=["colocated", "disaggregated"], help="default: the config's")
+    p.add_argument("--rollout-nodes", type=int,
+                   help="disaggregated: nodes that only roll out (default: as many as the config's engines fill)")
     p.add_argument("--cpus-per-node", type=int, default=16)
     p.add_argument("--object-store-gb", type=int, default=10, help="Ray object store per node (default 10)")
-    p.add_argument("--job-name", default="qurl")
+    p.add_argument("--job-name", help="default: the config file's name")
     p.add_argument("--workdir", default=".", help="the qurl-mcore checkout every node sees (default: here)")
     p.add_argument("--venv", help="virtual environment to use (default: WORKDIR/.venv when present)")
     p.add_argument("--log-dir", help="default: WORKDIR/runs/JOB_NAME/logs")
@@ -188,22 +201,27 @@ def _align(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-
-    from .export import export_checkpoint
-    from .megatron.export import claim_output, unscale_hf_checkpoint
-
-    src = Path(args.checkpoint)
+    src, out = Path(args.checkpoint), args.out or args.out_option
     hf_dir = (src / "config.json").is_file() and not (src / "meta.json").is_file()
-    try:
+    try:  # the arguments first, before Megatron's import and its warnings
+        if args.out and args.out_option and args.out != args.out_option:
+            raise ValueError(f"two outputs, {args.out} and --out {args.out_option}: give one")
+        if not out:
+            raise ValueError("give the output directory: qurl export CHECKPOINT --out OUT (or CHECKPOINT OUT)")
         if args.uaq_scale is not None and not hf_dir:
             raise ValueError(f"{src}: --uaq-scale is for an HF checkpoint directory (slime's --save-hf); a qurl "
                              "checkpoint records its own UAQ factor: leave --uaq-scale out")
         if hf_dir and args.uaq_scale is None:
             raise ValueError(f"{src} is an HF checkpoint (config.json, no meta.json): pass --uaq-scale S, the UAQ "
                              "factor its run trained with (slime: qurl_uaq_scale), to write it unscaled")
-        claim_output(args.out, src, force=args.force)
-        out = (unscale_hf_checkpoint(src, args.out, args.uaq_scale) if hf_dir
-               else export_checkpoint(src, args.out, dtype=args.dtype))
+        if not src.exists():
+            raise ValueError(f"{src}: no such checkpoint or directory")
+        from .export import export_checkpoint
+        from .megatron.export import claim_output, unscale_hf_checkpoint
+
+        claim_output(out, src, force=args.force)
+        out = (unscale_hf_checkpoint(src, out, args.uaq_scale) if hf_dir
+               else export_checkpoint(src, out, dtype=args.dtype))
     except (OSError, ValueError) as err:
         print(f"qurl export: {err}")
         return 2
@@ -248,10 +266,14 @@ def _compare(args: argparse.Namespace) -> int:
     from .config import ConfigError
     from .loop.outcome import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED
 
+    # key=value among the configs are overrides, as every command takes them; --set too
+    overrides = [*(item for item in args.configs if "=" in item), *args.set]
     try:
-        variants = [parse_variant(item) for item in args.configs]
+        variants = [parse_variant(item) for item in args.configs if "=" not in item]
+        if not variants:
+            raise ValueError("give at least one CONFIG besides the key=value overrides")
         done = compare(variants, args.seeds, Path(args.out), base=Path(args.base) if args.base else None,
-                       overrides=args.set, last=args.last, report_only=args.report_only,
+                       overrides=overrides, last=args.last, report_only=args.report_only,
                        drop_checkpoints=args.drop_checkpoints, jobs=args.jobs,
                        say=lambda line: print(f"qurl compare: {line}"))
     except (ConfigError, ValueError, OSError) as err:
@@ -269,13 +291,14 @@ def _add_compare(sub) -> None:
     p = sub.add_parser("compare", help="several configs x seeds, --jobs at once; curves with their spread and a "
                                        "final table (docs/studies.md)",
                        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("configs", nargs="+", metavar="CONFIG[:LABEL]", help="qurl train YAML files (partial ones with "
-                                                                         "--base); LABEL defaults to the file name")
+    p.add_argument("configs", nargs="+", metavar="CONFIG[:LABEL] | key=value",
+                   help="qurl train YAML files (partial ones with --base; LABEL defaults to the file name), and "
+                        "overrides for every run, e.g. steps=4")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds of every config (default 0 1 2)")
     p.add_argument("--out", default="runs/compare", help="runs and report go here (default runs/compare)")
     p.add_argument("--base", help="a full config under every CONFIG, which then holds only what differs")
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="key=value",
-                   help="overrides for every run, e.g. steps=4")
+                   help="overrides for every run, as key=value among the configs")
     p.add_argument("--last", type=_positive, default=4, help="the table averages each run's last K steps (default 4)")
     p.add_argument("--report-only", action="store_true", help="write the report from the runs so far, run nothing")
     p.add_argument("--jobs", type=_positive, default=1,
@@ -289,6 +312,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from .config import ConfigError, load_config
     from .loop.evaluation import evaluate_model
+    from .models import resolve_model_path
 
     flags = {"precision": args.precision, "eval.n": args.n, "eval.temperature": args.temperature,
              "eval.num_prompts": args.num_prompts}
@@ -297,13 +321,20 @@ def _eval(args: argparse.Namespace) -> int:
         if args.data:
             cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, data=args.data))
         cfg.resolved_precision()  # a scope or format the precision does not take
-        result = evaluate_model(cfg, args.model)
+        try:  # before the prompts and the engine
+            resolve_model_path(args.model)
+        except OSError as err:
+            raise ValueError(f"--model {err}") from None
+        # without a config no training run is known: the generated additions need not leave any out
+        result = evaluate_model(cfg, args.model, held_out=args.config is not None)
     except (ConfigError, ValueError, OSError) as err:
         print(f"qurl eval: {err}", file=sys.stderr)
         return 2
     precision, scope, fmt = cfg.resolved_precision()
     result = {"model": args.model, "precision": precision.name, "scope": scope, "format": fmt,
-              "data": cfg.eval.data or "additions that are no training prompt", "n": cfg.eval.n,
+              "data": cfg.eval.data or ("additions that are no training prompt of the config" if args.config
+                                        else "additions (no --config: training prompts not left out)"),
+              "n": cfg.eval.n,
               "temperature": cfg.eval.temperature, "num_prompts": len(result["samples"]) // cfg.eval.n, **result}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -322,7 +353,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--precision", choices=list(PRECISIONS),
                    help="the engine's precision, its rollout side (default: the config's)")
     p.add_argument("--data", help=".jsonl or .parquet prompts (keys data.prompt_key/answer_key; default: the "
-                                  "config's eval.data, else task addition's split unseen in training)")
+                                  "config's eval.data, else additions, with --config none of its training prompts)")
     p.add_argument("--n", type=_positive, help="samples per prompt (default 1)")
     p.add_argument("--temperature", type=float, help="0: greedy, accuracy = pass@1 (default); > 0: mean@n")
     p.add_argument("--num-prompts", type=_positive, help="the data's first prompts (default 64)")
@@ -355,8 +386,23 @@ def _add_align(sub) -> None:
     p.set_defaults(func=_align)
 
 
+def version() -> str:
+    """The installed distribution's version, else (a checkout on PYTHONPATH) the package's own, which setup.py
+    reads too; with where the package is, since a checkout can shadow an installed copy."""
+    from importlib import metadata
+
+    import qurl_mcore
+
+    try:
+        number = metadata.version("qurl-mcore")
+    except metadata.PackageNotFoundError:
+        number = qurl_mcore.__version__
+    return f"qurl-mcore {number} ({Path(__file__).parent})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qurl", description="Quantized-rollout RL for Megatron-Core and SGLang.")
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("quant-report", help="each format's error and the RC gain on a real weight matrix")
     rep.add_argument("--tensor", default="token_embd.weight", help="GGUF tensor name of SmolLM2-135M-Instruct")
@@ -383,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     pat = sub.add_parser("patch", help="pinned source patch sets for installed packages (docs/patches.md)")
     pat.add_argument("action", choices=["apply", "check", "revert", "status"],
                      help="check exits 1 unless every pinned patch is applied")
-    pat.add_argument("--target", required=True, choices=sorted(TARGETS))
+    pat.add_argument("--target", choices=sorted(TARGETS), help="required but for status (default: every target)")
     pat.add_argument("--patches", help="patch directory (default: the checkout's patches/)")
     pat.set_defaults(func=_patch)
     _add_launch(sub)
@@ -394,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("export", help="a run's checkpoint as an HF checkpoint (transformers, SGLang load it), "
                                         "or a UAQ-scaled HF checkpoint unscaled")
     exp.add_argument("checkpoint", help="a checkpoint step directory, or a checkpoint.dir (its newest valid one)")
-    exp.add_argument("out", help="the HF checkpoint directory to write: new, empty, or an earlier export")
+    exp.add_argument("out", nargs="?", help="the HF checkpoint directory to write: new, empty, or an earlier export")
+    exp.add_argument("--out", dest="out_option", metavar="OUT", help="OUT as an option, as eval and compare take it")
     exp.add_argument("--force", action="store_true",
                      help="replace OUT even if it holds other files, once the export is whole (never a checkpoint)")
     exp.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",

@@ -14,7 +14,7 @@ from typing import Any, Callable, Literal
 
 from qurl_mcore.precision import FP4_FORMATS, PRECISIONS, SCOPES, get_precision, select
 from qurl_mcore.rl import AGGREGATIONS, KL_ESTIMATORS, LOSSES
-from qurl_mcore.tasks import REWARDS
+from qurl_mcore.tasks import DOTTED, REWARDS
 
 # torch and yaml are imported in the functions that use them: `qurl --help` builds its parser from modules that
 # import this one, and stays fast without them
@@ -27,7 +27,6 @@ FP4Format = Literal[FP4_FORMATS]  # type: ignore[valid-type]
 LossName = Literal[LOSSES]  # type: ignore[valid-type]
 Aggregation = Literal[AGGREGATIONS]  # type: ignore[valid-type]
 KLEstimator = Literal[KL_ESTIMATORS]  # type: ignore[valid-type]
-RewardName = Literal[tuple(REWARDS)]  # type: ignore[valid-type]
 
 @dataclass
 class ModelConfig:
@@ -40,7 +39,7 @@ class DataConfig:
     path: str = ""  # .jsonl or .parquet, for task "file"
     prompt_key: str = "question"
     answer_key: str = "answer"
-    reward: RewardName = "first_number"
+    reward: str = "first_number"  # a name of tasks.REWARDS, or package.module:function (tasks/rewards.py)
     system_prompt: str = ""  # prepended to every prompt when set
     prompts_per_step: int = 8
     num_prompts: int = 512  # size of the generated set for task "addition"
@@ -113,6 +112,8 @@ class CheckpointConfig:
     every: int = 10
     keep: int = 2
     export_hf: bool = True  # at the end of the run, the trained model as an HF checkpoint in dir/hf
+    # resume a checkpoint whose model, precision or parallel layout differs from the run's (driver.RESUME_FIELDS)
+    allow_mismatch: bool = False
 
 
 @dataclass
@@ -234,6 +235,9 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.kl_coef": _within(0, 100),
     "train.entropy_coef": _within(0, 1),
     "uaq.scale": _within(0, 16, open_lo=True),
+    # the form only: `qurl train --check` imports a user's function and checks its signature
+    "data.reward": (lambda v: v in REWARDS or DOTTED.fullmatch(v) is not None,
+                    f"must be one of {list(REWARDS)} or package.module:function"),
 }
 
 

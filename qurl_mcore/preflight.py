@@ -27,7 +27,7 @@ from .models.registry import hf_linears, num_experts
 from .precision import METHODS, PRECISIONS, get_precision, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
 from .sizing import check_fits, local_gpu, model_config
-from .tasks import addition_examples, load_examples
+from .tasks import addition_examples, load_examples, load_reward
 
 
 DATA_SAMPLE = 100  # prompt rows read by the check (the run reads them all)
@@ -108,6 +108,10 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
     if r.max_new_tokens >= r.context_length:
         out.problems.append(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for the prompt in "
                             f"rollout.context_length {r.context_length}; lower it or raise the context")
+    try:  # a user's package.module:function: importable here, with a reward's signature
+        load_reward(d.reward)
+    except ValueError as err:
+        out.problems.append(f"data.reward: {err}")
 
 
 def _compile_toolchain(use_gpu: bool) -> str | None:

@@ -8,6 +8,7 @@ make the trainer checkpoint; after USR1 the job requeues itself and resumes from
 """
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import subprocess
@@ -32,16 +33,18 @@ CPU_ENV = {"PYTHONUNBUFFERED": "1"}
 
 @dataclass
 class SlurmJob:
-    """Everything a rendered job depends on; `validate` explains any bad value."""
+    """Everything a rendered job depends on; `validate` explains any bad value. `layout`, `rollout_nodes` and
+    `job_name` left out come from the config (`resolved`)."""
 
     nodes: int
     gpus_per_node: int
     config: str
     overrides: list[str] = field(default_factory=list)
     workdir: str = "."
-    layout: str = "colocated"
-    rollout_nodes: int = 0
-    job_name: str = "qurl"
+    layout: str | None = None
+    rollout_nodes: int | None = None
+    job_name: str | None = None
+    gpu: str | None = None  # the kind of GPU the memory is planned for (a key of sizing.GPUS)
     partition: str | None = None
     account: str | None = None
     time: str | None = None
@@ -60,13 +63,28 @@ class SlurmJob:
     command: str | None = None
 
     def resolved(self) -> "SlurmJob":
-        """A copy with absolute paths and the defaults that depend on other fields filled in."""
+        """A copy with absolute paths and the defaults that depend on other fields filled in: the job name from
+        the config file's name, the run's directories under WORKDIR/runs/JOB_NAME, the layout from the config
+        (with its overrides), and a disaggregated job's rollout nodes as many as the config's engines fill."""
         workdir = Path(self.workdir).resolve()
         venv = self.venv if self.venv is not None else (str(workdir / ".venv") if (workdir / ".venv").is_dir() else "")
-        run_dir = workdir / "runs" / self.job_name
+        job_name = self.job_name or Path(self.config).stem
+        run_dir = workdir / "runs" / job_name
+        layout, rollout_nodes = self.layout, self.rollout_nodes
+        cfg = self._config() if not self.command else None
+        if cfg is not None and layout is None:
+            layout = cfg.layout
+        if cfg is not None and rollout_nodes is None and layout == "disaggregated":
+            try:
+                rollout_nodes = self._nodes_needed(cfg)[1]
+            except ValueError:  # validate says why
+                pass
         return replace(
             self,
             workdir=str(workdir),
+            job_name=job_name,
+            layout=layout or "colocated",
+            rollout_nodes=rollout_nodes or 0,
             venv=str(Path(venv).resolve()) if venv else "",
             log_dir=str(Path(self.log_dir or run_dir / "logs").resolve()),
             ckpt_dir=str(Path(self.ckpt_dir or run_dir / "checkpoints").resolve()),
@@ -77,14 +95,10 @@ class SlurmJob:
 
     def train_command(self) -> str:
         """The shell command run on the head node: `qurl train` on the config, checkpointing to ckpt_dir
-        (which is also where a requeued job resumes from)."""
+        (which is also where a requeued job resumes from) and logging to log_dir, beside Slurm's and Ray's."""
         if self.command:
             return self.command
-        # a disaggregated job tags each node for training or for rollout only: a colocated run (the config's
-        # default) finds no node with both and gives up after the placement timeout
-        layout = ["layout=disaggregated"] if self.layout == "disaggregated" else []
-        args = ["qurl", "train", "--config", self.config, f"checkpoint.dir={self.ckpt_dir}", *layout, *self.overrides]
-        return shlex.join(args)
+        return shlex.join(["qurl", "train", "--config", self.config, *self._train_overrides()])
 
     def validate(self) -> None:
         errors = []
@@ -94,18 +108,12 @@ class SlurmJob:
             errors.append(f"--gpus-per-node must be 0 or more (got {self.gpus_per_node})")
         if self.cpus_per_node < 1:
             errors.append(f"--cpus-per-node must be at least 1 (got {self.cpus_per_node})")
-        if self.layout not in LAYOUTS:
+        if self.layout is not None and self.layout not in LAYOUTS:
             errors.append(f"--layout must be one of {list(LAYOUTS)} (got {self.layout!r})")
-        if self.layout == "disaggregated" and not 1 <= self.rollout_nodes < self.nodes:
-            errors.append(f"a disaggregated layout needs 1 <= --rollout-nodes < --nodes, so that both training "
-                          f"and rollout get nodes (got {self.rollout_nodes} of {self.nodes})")
-        if self.layout == "disaggregated" and any(o.startswith("layout=") and o != "layout=disaggregated"
-                                                  for o in self.overrides):
-            errors.append("--layout disaggregated tags each node for training or rollout only, where a colocated "
-                          "run cannot be placed; drop the layout= override")
-        if self.layout == "colocated" and self.rollout_nodes:
-            errors.append("--rollout-nodes only applies to --layout disaggregated")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.job_name):
+        if self.layout and any(o.startswith("layout=") and o != f"layout={self.layout}" for o in self.overrides):
+            errors.append(f"--layout {self.layout} tags each node for that layout, where a run of another layout "
+                          "cannot be placed; drop the layout= override")
+        if self.job_name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.job_name):
             errors.append(f"--job-name may hold letters, digits, '_', '.', '-' only (got {self.job_name!r})")
         if self.time and not re.fullmatch(r"(\d+-)?\d+(:\d\d){0,2}", self.time):
             errors.append(f"--time must be a Slurm time such as 04:00:00 or 2-00:00:00 (got {self.time!r})")
@@ -118,10 +126,21 @@ class SlurmJob:
             if _CONTROL.search(value):
                 errors.append(f"{name} {value!r} holds a control character (a newline would start a line of "
                               "its own in the job script); remove it")
-        if not self.command:
-            errors += self._override_problems()
+        if not errors and self.nodes >= 1 and self.gpus_per_node >= 0:
+            errors += self.resolved()._layout_problems()
+        if not errors and not self.command:
+            errors += self.resolved()._run_problems()
         if errors:
             raise ValueError("invalid Slurm job:\n  " + "\n  ".join(errors))
+
+    def _layout_problems(self) -> list[str]:
+        """The node split of the (resolved) layout."""
+        if self.layout == "disaggregated" and not 1 <= self.rollout_nodes < self.nodes:
+            return [f"a disaggregated layout needs 1 <= --rollout-nodes < --nodes, so that both training and "
+                    f"rollout get nodes (got {self.rollout_nodes} of {self.nodes})"]
+        if self.layout == "colocated" and self.rollout_nodes:
+            return ["--rollout-nodes only applies to --layout disaggregated (or a config of that layout)"]
+        return []
 
     def _texts(self) -> list[tuple[str, str]]:
         """(option, value) of every text that reaches the rendered script."""
@@ -131,20 +150,91 @@ class SlurmJob:
         out += [(f"--env {k}=", v) for k, v in self.env.items()]
         return out
 
-    def _override_problems(self) -> list[str]:
-        """The overrides checked as `qurl train` will check them, with the config file (schema, types,
-        ranges): a typo fails here, not on the cluster."""
-        from .config import ConfigError, load_config
+    def _train_overrides(self) -> list[str]:
+        """The key=value arguments of the job's `qurl train`: the run's directories, and the layout the nodes are
+        tagged for (a run of another layout would wait for its placement, then fail), before the user's."""
+        dirs = [f"checkpoint.dir={self.ckpt_dir}", f"logging.dir={self.log_dir}"] if self.ckpt_dir else []
+        return [*dirs, *([f"layout={self.layout}"] if self.layout else []), *self.overrides]
+
+    def _load(self):
+        from .config import load_config
+
+        return load_config(self.config if Path(self.config).is_file() else None, self._train_overrides())
+
+    def _config(self):
+        """The config with the job's overrides (None when it does not load: `validate` says why)."""
+        from .config import ConfigError
 
         try:
-            load_config(self.config if Path(self.config).is_file() else None, self.overrides)
+            return self._load()
+        except ConfigError:
+            return None
+
+    def _run_problems(self) -> list[str]:
+        """The run as `qurl train --check` and `qurl plan` check it (a resolved job): the config with the job's
+        overrides (schema, types, ranges: a typo fails here, not on the cluster), the rules between fields, the
+        model, the memory on `gpu`, and the config's placement on the job's nodes."""
+        from .config import ConfigError
+        from .preflight import preflight
+
+        try:
+            cfg = self._load()
         except ConfigError as err:
             return [f"qurl train would refuse: {problem}" for problem in err.problems]
+        try:
+            checked = preflight(cfg, use_gpu=self.gpus_per_node > 0, gpu=self.gpu)
+        except ValueError as err:  # an unknown --gpu
+            return [str(err)]
+        problems = [f"qurl train --check would refuse: {p}" for p in checked.problems]
+        # placement_of's own refusals are preflight's too: said once
+        return problems + [p for p in self._placement_problems(cfg)
+                           if not any(p.removeprefix("placement: ") in q for q in problems)]
+
+    def _per_node(self) -> str:
+        return (f"{self.gpus_per_node} GPUs and " if self.gpus_per_node else "") + f"{self.cpus_per_node} CPUs"
+
+    def _nodes_needed(self, cfg) -> tuple[int, int]:
+        """(training nodes, rollout nodes) the config's placement (`placement.placement_of`) fills on nodes of
+        this job's GPUs and CPUs; colocated: (nodes, 0). Raises ValueError when a bundle fits no node."""
+        from .placement import placement_of
+
+        use_gpu = self.gpus_per_node > 0
+        p = placement_of(cfg, use_gpu)
+        node = {"CPU": self.cpus_per_node, **({"GPU": self.gpus_per_node} if use_gpu else {})}
+
+        def nodes_for(indices: list[int]) -> int:
+            if not indices:
+                return 0
+            bundle = p.bundles[indices[0]]  # a side's bundles are all alike
+            fit = min(int(node[k] // v) for k, v in bundle.items() if k in node and v)
+            if not fit:
+                raise ValueError(f"a bundle of {bundle} fits no node of {self._per_node()}; lower "
+                                 "rollout.tp_size, or give nodes with more GPUs (--gpus-per-node)")
+            return math.ceil(len(indices) / fit)
+
+        return nodes_for(p.trainer), 0 if cfg.layout == "colocated" else nodes_for(p.engines)
+
+    def _placement_problems(self, cfg) -> list[str]:
+        """Whether the job's nodes hold the config's placement (a resolved job), with the nodes that would."""
+        try:
+            train, rollout = self._nodes_needed(cfg)
+        except ValueError as err:
+            return [f"placement: {err}"]
+        per_node = self._per_node()
+        if cfg.layout == "colocated" and train > self.nodes:
+            return [f"placement: the config's {cfg.train.world_size} trainer rank(s) with their engines need "
+                    f"{train} node(s) of {per_node}, the job has {self.nodes}; use --nodes {train}, or lower "
+                    "train.dp_size / train.tp_size / train.pp_size"]
+        if cfg.layout == "disaggregated" and (train > self.train_nodes or rollout > self.rollout_nodes):
+            return [f"placement: the config's {cfg.train.world_size} trainer rank(s) need {train} training node(s) "
+                    f"and its {cfg.rollout.engines} engine(s) of TP {cfg.rollout.tp_size} {rollout} rollout "
+                    f"node(s) of {per_node}, the job has {self.train_nodes} and {self.rollout_nodes}; use "
+                    f"--nodes {train + rollout} --rollout-nodes {rollout}, or lower train.dp_size / rollout.engines"]
         return []
 
     @property
     def train_nodes(self) -> int:
-        return self.nodes - self.rollout_nodes if self.layout == "disaggregated" else self.nodes
+        return self.nodes - (self.rollout_nodes or 0) if self.layout == "disaggregated" else self.nodes
 
 
 def render(job: SlurmJob) -> str:

@@ -42,7 +42,7 @@ ALLOWED: dict[str, tuple[str, frozenset[str]]] = {name: (what, frozenset(deps)) 
     ("export", "`qurl export`", ("checkpoint", "config", "megatron", "models")),
     ("align", "`qurl align`", ("megatron", "models", "precision", "rl", "rollout", "recipe")),
     ("compare", "`qurl compare`", ("config", "loop")),
-    ("slurm", "`qurl launch slurm`", ("config",)),
+    ("slurm", "`qurl launch slurm`", ("config", "placement", "preflight")),
     ("quant_report", "`qurl quant-report`", ("quant", "models")),
     ("integrations", "adapters for verl and slime", ("config", "megatron", "precision", "rl", "sglang", "uaq",
                                                      "recipe")),

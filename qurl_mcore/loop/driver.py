@@ -32,7 +32,7 @@ from ray.util.placement_group import remove_placement_group
 from tqdm import tqdm
 
 from qurl_mcore import checkpoint as ckpt
-from qurl_mcore.config import Config, ConfigError, to_dict
+from qurl_mcore.config import Config, ConfigError, flatten, to_dict
 from qurl_mcore.models import resolve_model_path
 from qurl_mcore.precision import quantized_linears
 from qurl_mcore.preflight import preflight
@@ -278,6 +278,31 @@ def _progress(cfg: Config, start: int):
                 file=sys.stderr, dynamic_ncols=True)
 
 
+#: what a checkpoint is tied to: the model its weights are, the precision they trained under, and how its rank
+#: files slice them
+RESUME_FIELDS = ("model.path", "precision", "scope", "fp4_format", "train.dtype", "train.tp_size", "train.pp_size",
+                 "train.ep_size", "train.dp_size")
+
+
+def resume_mismatch(saved: dict, cfg: Config) -> list[str]:
+    """The RESUME_FIELDS whose value in a checkpoint's config (`saved`, meta.json's) differs from `cfg`'s, each
+    as "key: checkpoint's value (checkpoint) vs cfg's (this run)"; a field the checkpoint does not record is
+    not compared."""
+    before, now = flatten(saved), flatten(to_dict(cfg))
+    return [f"{key}: {before[key]!r} (checkpoint) vs {now[key]!r} (this run)" for key in RESUME_FIELDS
+            if key in before and before[key] != now[key]]
+
+
+def check_resumable(cfg: Config, path: Path | None) -> None:
+    """Raise ConfigError naming every `resume_mismatch` of checkpoint `path` (None: nothing to resume), unless
+    `checkpoint.allow_mismatch`."""
+    differ = resume_mismatch(ckpt.read_meta(path)["config"], cfg) if path else []
+    if differ and not cfg.checkpoint.allow_mismatch:
+        raise ConfigError(f"{path} was written by another run: {'; '.join(differ)}; give this run its own "
+                          "checkpoint.dir, or set checkpoint.allow_mismatch=true to continue that checkpoint with "
+                          "this run's settings")
+
+
 def run(cfg: Config, address: str | None = None) -> RunResult:
     """Train for `cfg.steps` steps (resuming from `cfg.checkpoint.dir` when it holds a checkpoint). `address`
     joins an existing Ray cluster (default: $RAY_ADDRESS, else a local one). Raises ConfigError listing
@@ -292,6 +317,11 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         raise ConfigError(checked.report())
     locks = lock_dirs(cfg.checkpoint.dir, cfg.logging.dir)  # one run per directory, to the run's end
     resume_from, damaged = ckpt.latest_valid(cfg.checkpoint.dir)  # before anything starts: it reads every file
+    try:
+        check_resumable(cfg, resume_from)
+    except ConfigError:
+        locks.release()
+        raise
     for path, problem in damaged:
         say(f"checkpoint {path} is damaged ({problem}); " +
             (f"resuming from {resume_from} instead" if resume_from else "starting from scratch"))

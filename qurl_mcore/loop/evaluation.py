@@ -16,7 +16,7 @@ import torch
 from qurl_mcore.config import Config
 from qurl_mcore.heldout import eval_examples, greedy_repeats
 from qurl_mcore.models import resolve_model_path
-from qurl_mcore.tasks import REWARDS, Example, score_all
+from qurl_mcore.tasks import Example, load_reward, score_all
 from qurl_mcore.tasks.rewards import RewardFn
 
 if TYPE_CHECKING:
@@ -77,19 +77,28 @@ def samples(examples: list[Example], n: int, generations: list[Generation], rewa
             for ex, g, reward in zip(asked, generations, rewards, strict=True)]
 
 
-def evaluate_model(cfg: Config, model_path: str, startup_timeout: float = 600.0) -> dict:
+def eval_prompts(cfg: Config, held_out: bool = True) -> list[Example]:
+    """`qurl eval`'s prompts: `eval.data`'s, or task addition's generated ones, leaving out `cfg`'s training
+    prompts when `held_out` (see `evaluate_model`). Raises ValueError naming the field to fix."""
+    from .sampler import load_prompt_set  # sampler imports this module
+
+    generated_split = not cfg.eval.data and cfg.data.task == "addition"
+    return eval_examples(cfg, load_prompt_set(cfg) if generated_split and held_out else [])
+
+
+def evaluate_model(cfg: Config, model_path: str, startup_timeout: float = 600.0, held_out: bool = True) -> dict:
     """`qurl eval`: the evaluation `cfg` describes, on the HF checkpoint `model_path` (or a name `model.path`
     takes) served by one engine of `cfg.precision` started here (as the loop starts them, without Ray).
-    Returns {"metrics": eval/*, "samples": `samples`}."""
+    `held_out`: task addition's generated prompts leave out `cfg`'s training prompts (False: no training run
+    is known, any additions). Returns {"metrics": eval/*, "samples": `samples`}."""
     from transformers import AutoTokenizer  # only `qurl eval` needs a tokenizer here, not the loop
 
-    from .sampler import EngineHost, chat_ids, engine_config, load_prompt_set  # sampler imports this module
+    from .sampler import EngineHost, chat_ids, engine_config  # sampler imports this module
 
     if greedy_repeats(cfg):
         raise ValueError(greedy_repeats(cfg))
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, offload=False))  # no trainer here
-    generated_split = not cfg.eval.data and cfg.data.task == "addition"
-    examples = eval_examples(cfg, load_prompt_set(cfg) if generated_split else [])
+    examples = eval_prompts(cfg, held_out)
     model_path = str(resolve_model_path(model_path))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     n = cfg.eval.n
@@ -100,6 +109,6 @@ def evaluate_model(cfg: Config, model_path: str, startup_timeout: float = 600.0)
         generations = host.generate([i for i in ids for _ in range(n)], sampling(cfg))
     finally:
         host.shutdown()
-    metrics, rewards = score(REWARDS[cfg.data.reward], generations, [ex.answer for ex in examples for _ in range(n)],
+    metrics, rewards = score(load_reward(cfg.data.reward), generations, [ex.answer for ex in examples for _ in range(n)],
                              n, cfg.rollout.max_new_tokens)
     return {"metrics": metrics, "samples": samples(examples, n, generations, rewards)}

@@ -25,7 +25,7 @@ from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
 from qurl_mcore.rollout.engine import moe_shape
 from qurl_mcore.rollout.results import RequestRefused
 from qurl_mcore.sglang.options import QUANTIZED_LOG_ENV
-from qurl_mcore.tasks import REWARDS, Example, addition_examples, load_examples, score_all
+from qurl_mcore.tasks import Example, addition_examples, load_examples, load_reward, score_all
 from qurl_mcore.transfer import bind_gloo_towards
 
 from .batch import Sample
@@ -188,7 +188,7 @@ class RolloutManager:
         self.hosts = hosts
         self.reference = reference
         self.examples = load_prompt_set(cfg)
-        self.reward_fn = REWARDS[cfg.data.reward]
+        self.reward_fn = load_reward(cfg.data.reward)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._ids: dict[int, list[int]] = {}
         self.eval_examples = eval_examples(cfg, self.examples) if cfg.eval.every else []

@@ -28,6 +28,7 @@ def resolve_model_path(path: str) -> Path:
         return tiny_checkpoint(path.removeprefix("tiny-"))
     out = Path(path)
     if not (out / "config.json").is_file():
-        raise FileNotFoundError(f"model.path {path}: no config.json there; give an HF checkpoint directory, "
-                                "'smollm2', or 'tiny-<llama|qwen2|qwen3|qwen3_moe>'")
+        what = "no config.json there" if out.exists() else "no such directory"
+        raise FileNotFoundError(f"{path}: {what}; give an HF checkpoint directory, 'smollm2', or "
+                                "'tiny-<llama|qwen2|qwen3|qwen3_moe>'")
     return out

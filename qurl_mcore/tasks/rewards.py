@@ -1,8 +1,23 @@
-"""Rewards: response text and ground truth in, a score in [0, 1] out. A reward function that raises scores 0
-and is counted (`score_all`), so one malformed answer never kills a run."""
+"""Rewards: response text and ground truth in, a score out (the built-in ones: in [0, 1]). A reward function
+that raises scores 0 and is counted (`score_all`), so one malformed answer never kills a run.
+
+`data.reward` names one of `REWARDS` or the user's own function as `package.module:function` (importable where
+the run runs), of one of these forms:
+
+    def f(response: str, answer: str) -> float                        # per sample
+    def f(responses: list[str], answers: list[str]) -> list[float]    # batched: its first parameter is a list
+    async def f(...)                                                  # either, run with asyncio
+
+A per-sample function is called once per response (async ones concurrently); a batched one once per batch of
+a step's responses, and when it raises, every response of the batch scores 0 and is counted.
+"""
 from __future__ import annotations
 
+import asyncio
+import importlib
+import inspect
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,6 +42,74 @@ def first_number_reward(response: str, answer: str) -> float:
 
 
 REWARDS: dict[str, RewardFn] = {"math": math_reward, "first_number": first_number_reward}
+#: `package.module:function`, the form of a user's reward
+DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+def is_batched(fn: Callable) -> bool:
+    """Whether `fn` scores lists of responses: its first parameter is annotated as a list. Raises ValueError
+    unless `fn` takes (response, answer) (further parameters need defaults)."""
+    try:
+        params = inspect.signature(fn).parameters
+        inspect.signature(fn).bind("", "")
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} must take (response: str, answer: str), or "
+                         f"(responses: list[str], answers: list[str]) batched: {err}") from None
+    first = next(iter(params.values()))
+    try:
+        hint = typing.get_type_hints(fn).get(first.name)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve is not a list
+        hint = first.annotation
+    return hint is list or typing.get_origin(hint) is list
+
+
+def load_reward(name: str) -> RewardFn:
+    """The reward `name` names: a key of REWARDS, or `package.module:function` imported, its signature checked
+    (`is_batched`). Raises ValueError naming what is wrong and the fix."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if not DOTTED.fullmatch(name):
+        raise ValueError(f"{name!r} is neither one of {list(REWARDS)} nor package.module:function")
+    module, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except ImportError as err:
+        raise ValueError(f"{name}: cannot import {module} ({err}); put its package on PYTHONPATH on every node, "
+                         "or install it") from None
+    except AttributeError:
+        raise ValueError(f"{name}: {module} has no {attr!r}") from None
+    if not callable(fn):
+        raise ValueError(f"{name} is a {type(fn).__name__}, not a function")
+    is_batched(fn)
+    return fn
+
+
+def _calls(fn: Callable, responses: list[str], answers: list[str]) -> list:
+    """fn's result for each response, or the exception that stands for it (a batched fn's for all)."""
+    batched, is_async = is_batched(fn), inspect.iscoroutinefunction(fn)
+
+    def one(response: str, answer: str):
+        try:
+            return fn(response, answer)
+        except Exception as err:  # noqa: BLE001 - counted by score_all
+            return err
+
+    if batched:
+        try:
+            out = asyncio.run(fn(responses, answers)) if is_async else fn(responses, answers)
+            out = list(out)
+            if len(out) != len(responses):
+                raise ValueError(f"a batched reward returned {len(out)} scores for {len(responses)} responses")
+        except Exception as err:  # noqa: BLE001 - counted by score_all
+            out = [err] * len(responses)
+        return out
+    if not is_async:
+        return [one(r, a) for r, a in zip(responses, answers)]
+
+    async def every():
+        return await asyncio.gather(*(fn(r, a) for r, a in zip(responses, answers)), return_exceptions=True)
+
+    return asyncio.run(every())
 
 
 @dataclass
@@ -35,14 +118,17 @@ class RewardStats:
     messages: list[str] = field(default_factory=list)
 
 
-def score_all(fn: RewardFn, responses: list[str], answers: list[str]) -> tuple[list[float], RewardStats]:
-    """Score every response; an exception (or a non-finite score) gives 0 and is recorded in the stats."""
+def score_all(fn: Callable, responses: list[str], answers: list[str]) -> tuple[list[float], RewardStats]:
+    """Score every response with `fn` (any form of the module docstring); an exception (or a non-finite
+    score) gives 0 and is recorded in the stats."""
     if len(responses) != len(answers):
         raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
     scores, stats = [], RewardStats()
-    for response, answer in zip(responses, answers):
+    for result in _calls(fn, responses, answers):
         try:
-            score = float(fn(response, answer))
+            if isinstance(result, Exception):
+                raise result
+            score = float(result)
             if score != score or score in (float("inf"), float("-inf")):
                 raise ValueError(f"non-finite reward {score}")
         except Exception as err:  # noqa: BLE001 - any failure of user reward code is scored, never fatal

@@ -72,3 +72,18 @@ def test_a_partial_directory_no_export_wrote_is_kept(tmp_path, capsys):
     assert main(["export", str(hf), str(tmp_path / "out"), "--uaq-scale", "1.5"]) == 2
     assert "no export wrote it" in capsys.readouterr().out
     assert (tmp_path / "out.partial" / "data.csv").read_text() == "1,2"
+
+
+def test_out_as_an_option_or_positionally_and_a_missing_checkpoint_in_one_line(tmp_path, capsys):
+    hf = _uaq_scaled_hf(tmp_path / "hf")
+    assert main(["export", str(hf), "--out", str(tmp_path / "a"), "--uaq-scale", "1.5"]) == 0
+    assert main(["export", str(hf), str(tmp_path / "b"), "--uaq-scale", "1.5"]) == 0
+    assert (tmp_path / "a" / "model.safetensors").is_file() and (tmp_path / "b" / "model.safetensors").is_file()
+    capsys.readouterr()
+    assert main(["export", str(hf), str(tmp_path / "c"), "--out", str(tmp_path / "d"), "--uaq-scale", "1.5"]) == 2
+    assert f"two outputs, {tmp_path / 'c'} and --out {tmp_path / 'd'}: give one" in capsys.readouterr().out
+    assert main(["export", str(hf)]) == 2
+    assert "give the output directory" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "bad"), "--out", str(tmp_path / "e")]) == 2
+    assert capsys.readouterr().out == f"qurl export: {tmp_path / 'bad'}: no such checkpoint or directory\n"
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists() and not (tmp_path / "e").exists()

@@ -32,7 +32,7 @@ def test_a_disaggregated_job_runs_a_disaggregated_training(tmp_path):
     config = tmp_path / "train.yaml"
     config.write_text("model:\n  path: smollm2\n")
     job = SlurmJob(nodes=2, gpus_per_node=0, config=str(config), layout="disaggregated", rollout_nodes=1)
-    assert re.search(r"qurl train --config \S+ checkpoint\.dir=\S+ layout=disaggregated &", render(job))
+    assert re.search(r"qurl train --config \S+ checkpoint\.dir=\S+ logging\.dir=\S+ layout=disaggregated &", render(job))
     with pytest.raises(ValueError, match="drop the layout= override"):
         render(replace(job, overrides=["layout=colocated"]))
 

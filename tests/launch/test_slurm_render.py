@@ -2,10 +2,13 @@
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from qurl_mcore.slurm import SlurmJob, render
+
+CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
 
 SHELLCHECK = shutil.which("shellcheck")
 
@@ -13,7 +16,7 @@ SHELLCHECK = shutil.which("shellcheck")
 @pytest.fixture
 def config(tmp_path):
     path = tmp_path / "train.yaml"
-    path.write_text("model:\n  path: smollm2\n")
+    path.write_text("model:\n  path: smollm2\nrollout:\n  mem_fraction: 0.4\n")
     return str(path)
 
 
@@ -64,7 +67,7 @@ def test_colocated_directives_and_command_lines(config):
         assert line in script
     # training entry point with the checkpoint directory it resumes from
     assert (f'step "$head_node" qurl-train qurl train --config {config} '
-            "checkpoint.dir=/opt/qurl/runs/qurl/checkpoints &") in script
+            "checkpoint.dir=/opt/qurl/runs/train/checkpoints logging.dir=/opt/qurl/runs/train/logs layout=colocated &") in script
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
 
 
@@ -124,3 +127,71 @@ def test_bad_options_are_explained(config, kw, message):
 def test_missing_config_is_explained(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         render(_job(str(tmp_path / "nope.yaml")))
+
+
+def _config(tmp_path, text, name="sweep_a.yaml"):
+    path = tmp_path / name
+    path.write_text("model:\n  path: smollm2\nrollout:\n  mem_fraction: 0.4\n" + text)
+    return str(path)
+
+
+def test_job_name_and_directories_default_from_the_config_name(tmp_path):
+    """Two configs never share a checkpoint directory; Slurm's, Ray's and the run's logs share one directory."""
+    script = render(_job(_config(tmp_path, ""), workdir=str(tmp_path)))
+    assert _sbatch(script)["job-name"] == "sweep_a"
+    run = tmp_path.resolve() / "runs" / "sweep_a"
+    assert _sbatch(script)["output"] == f"{run}/logs/%x-%j.out"
+    assert f"checkpoint.dir={run}/checkpoints logging.dir={run}/logs" in script
+    assert f'ray-$role-$node-$SLURM_JOB_ID.log' in script and f"log_dir={run}/logs" in script
+    named = render(_job(_config(tmp_path, ""), workdir=str(tmp_path), job_name="lr_1e-6"))
+    assert f"checkpoint.dir={tmp_path.resolve()}/runs/lr_1e-6/checkpoints" in named
+
+
+def test_layout_and_rollout_nodes_default_from_the_config(tmp_path):
+    cfg = tmp_path / "disaggregated.yaml"
+    cfg.write_text("model:\n  path: smollm2\nlayout: disaggregated\ntrain:\n  dp_size: 8\n"
+                   "rollout:\n  engines: 4\n  tp_size: 1\n")
+    cfg = str(cfg)
+    script = render(_job(cfg, nodes=2))  # no --layout, no --rollout-nodes
+    assert "layout=disaggregated" in script
+    assert "if (( $1 < 1 )); then echo '{\"qurl_train\": 1}'; else echo '{\"qurl_rollout\": 1}'; fi" in script
+
+
+@pytest.mark.parametrize("config,kw,fix", [
+    # disaggregated: 24 trainer ranks fill 3 nodes of 8 GPUs, 2 engines of TP 4 a fourth
+    ("grpo_qwen3_30b_a3b_fp4_rc.yaml", dict(nodes=2, gpu="h200-141g"),
+     "the job has 1 and 1; use --nodes 4 --rollout-nodes 1"),
+    ("grpo_qwen3_30b_a3b_fp4_rc.yaml", dict(nodes=4, rollout_nodes=2, gpu="h200-141g"),
+     "the job has 2 and 2; use --nodes 4 --rollout-nodes 1"),
+    # colocated: TP 2 x DP 8 = 16 ranks on 2 nodes
+    ("dapo_qwen2.5_7b_math_int8.yaml", dict(nodes=1, gpu="h100-80g"), "the job has 1; use --nodes 2"),
+    ("dapo_qwen2.5_7b_math_int8.yaml", dict(nodes=2, gpus_per_node=4, gpu="h100-80g"), "use --nodes 4"),
+])
+def test_a_job_that_cannot_place_is_refused_with_the_nodes_that_fit(config, kw, fix):
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        render(_job(str(CONFIGS / config), **kw))
+
+
+def test_the_papers_layouts_render_on_the_nodes_they_name(tmp_path):
+    """The placement rule passes the configs on their documented nodes (data and model paths of the cluster,
+    not this machine's, are pointed at ones that exist here)."""
+    here = ["model.path=smollm2", "data.task=addition", "rollout.max_new_tokens=64"]
+    for config, kw in (("grpo_qwen3_30b_a3b_fp4_rc.yaml", dict(nodes=4, rollout_nodes=1)),
+                       ("dapo_qwen2.5_7b_math_int8.yaml", dict(nodes=2))):
+        job = _job(str(CONFIGS / config), overrides=here, workdir=str(tmp_path), **kw)
+        try:
+            render(job)
+        except ValueError as err:
+            assert "placement" not in str(err), err
+
+
+def test_a_bundle_larger_than_a_node_is_refused(tmp_path):
+    cfg = _config(tmp_path, "layout: disaggregated\n")
+    with pytest.raises(ValueError, match=r"fits no node of 2 GPUs and 16 CPUs; lower rollout.tp_size"):
+        render(_job(cfg, gpus_per_node=2, overrides=["rollout.tp_size=4", "rollout.engines=1"], rollout_nodes=1))
+
+
+def test_a_layout_rule_of_the_placement_is_said_once(config):
+    with pytest.raises(ValueError) as err:
+        render(_job(config, overrides=["rollout.engines=2"]))  # colocated: more engines than trainer ranks
+    assert str(err.value).count("colocated layout: rollout.engines=2 exceeds the 1 trainer bundles") == 1

@@ -162,6 +162,11 @@ def test_cli_refuses_a_bad_study_before_running_anything(tmp_path, capsys):
     config.write_text("steps: 2\n")
     assert main(["compare", str(config), "--out", str(tmp_path / "out"), "--set", "logging.dir=x"]) == 2
     assert "compare sets seed, checkpoint.dir, logging.dir" in capsys.readouterr().err
+    # overrides positionally, as every command takes them
+    assert main(["compare", str(config), "logging.dir=x", "--out", str(tmp_path / "out")]) == 2
+    assert "compare sets seed, checkpoint.dir, logging.dir" in capsys.readouterr().err
+    assert main(["compare", "train.lr=1e-6", "--out", str(tmp_path / "out")]) == 2
+    assert "give at least one CONFIG besides the key=value overrides" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

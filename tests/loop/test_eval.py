@@ -189,3 +189,20 @@ def test_qurl_eval_of_the_exported_model_matches_the_loops_last_evaluation(eval_
     held = eval_examples(load_config(None, ["data.num_prompts=16", "eval.num_prompts=6"]), addition_examples(16))
     assert [s["prompt"] for s in result["samples"]] == [_question(ex) for ex in held]
     assert f"accuracy={result['metrics']['eval/accuracy']:.4f}" in out.stdout
+
+
+def test_qurl_eval_without_a_config_has_prompts_and_names_a_missing_model(tmp_path, capsys):
+    """The defaults alone: with the default config's training set (all 100 additions of operands 0..9) nothing
+    is left to hold out, so without --config no training run is known and any 64 additions are asked."""
+    from qurl_mcore.cli import main
+    from qurl_mcore.loop.evaluation import eval_prompts
+
+    cfg = load_config(None)
+    with pytest.raises(ValueError, match="only 1 of the 100 additions"):
+        eval_prompts(cfg)
+    prompts = eval_prompts(cfg, held_out=False)
+    assert len(prompts) == cfg.eval.num_prompts == 64 and len({p.messages[-1]["content"] for p in prompts}) == 64
+    assert main(["eval", "--model", str(tmp_path / "nope")]) == 2
+    assert f"qurl eval: --model {tmp_path / 'nope'}: no such directory" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tmp_path)]) == 2
+    assert f"qurl eval: --model {tmp_path}: no config.json there" in capsys.readouterr().err

@@ -135,3 +135,14 @@ def test_patches_stack_on_one_file(tmp_path):
     assert (site / "sglang/f.py").read_text() == second
     assert ps.revert() == ["02-after.patch", "01-insert.patch"]
     assert (site / "sglang/f.py").read_text() == base
+
+
+def test_cli_status_without_a_target_reports_every_target_and_the_others_need_one(capsys):
+    from qurl_mcore.cli import main
+
+    assert main(["patch", "status"]) == 0
+    out = capsys.readouterr().out
+    for target in TARGETS.values():
+        assert f"{target.dist} " in out
+    assert main(["patch", "apply"]) == 2
+    assert "qurl patch apply: give --target, one of ['megatron', 'sglang', 'verl']" in capsys.readouterr().out
