@@ -31,7 +31,6 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -75,6 +74,7 @@ class PolicyTrainer:
             torch.set_num_threads(t.threads)
         if master_port is not None:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        self.master_addr = master_addr  # rank 0's endpoints listen there: its rendezvous, the weight group
         bind_gloo_towards(master_addr)  # rank 0's node: the trainer's groups and the engines' broadcast group
         init_parallel(t.tp_size, t.ep_size, pipeline_parallel=t.pp_size, seed=cfg.seed, rank=rank,
                       world_size=world_size)
@@ -353,8 +353,8 @@ class PolicyTrainer:
 
     def open_weight_group(self, group_name: str, backend: str, timeout: float) -> str:
         """Rank 0, disaggregated: a weight group with every engine's TP ranks, hosted on this node (blocks
-        until every engine joined). Returns the rendezvous address."""
-        addr = ray.util.get_node_ip_address()
+        until every engine joined), at the trainer's rendezvous address. Returns the group's address."""
+        addr = self.master_addr
         port = free_port(addr)
         self.sender = open_weight_group(self.engines, addr, port, group_name, backend, timeout)
         return f"{addr}:{port}"
