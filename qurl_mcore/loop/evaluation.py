@@ -82,9 +82,9 @@ def evaluate_model(cfg: Config, model_path: str, startup_timeout: float = 600.0)
     from transformers import AutoTokenizer
 
     from qurl_mcore.models import resolve_model_path
-    from qurl_mcore.tasks import REWARDS
+    from qurl_mcore.tasks import REWARDS, chat_ids
 
-    from .sampler import EngineHost, chat_ids, engine_config, load_prompt_set
+    from .sampler import EngineHost, engine_config, load_prompt_set
 
     if greedy_repeats(cfg):
         raise ValueError(greedy_repeats(cfg))
