@@ -151,6 +151,25 @@ def read_file(path: str | Path, name: str) -> dict[str, Any]:
     return torch.load(Path(path) / name, map_location="cpu", weights_only=False)
 
 
+def tensor_mismatch(saved: dict[str, Any], current: dict[str, Any], shown: int = 2) -> str | None:
+    """How a checkpoint's state dict `saved` differs from a model's `current` one, in one line: the tensors
+    only the model has, those only the checkpoint has, and those of another shape (the first `shown` of each,
+    with the count); None when names and shapes agree."""
+    def shape(value) -> list[int] | None:
+        return list(value.shape) if isinstance(value, torch.Tensor) else None
+
+    def first(kind: str, items: list[str]) -> str:
+        more = f" and {len(items) - shown} more" if len(items) > shown else ""
+        return f"{len(items)} {kind}: " + ", ".join(items[:shown]) + more
+
+    kinds = [("only in this run's model", [k for k in current if k not in saved]),
+             ("only in the checkpoint", [k for k in saved if k not in current]),
+             ("of another shape", [f"{k} {shape(saved[k])} (the model's: {shape(current[k])})" for k in current
+                                   if k in saved and shape(saved[k]) != shape(current[k])])]
+    found = [first(kind, items) for kind, items in kinds if items]
+    return "; ".join(found) or None
+
+
 def rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
 

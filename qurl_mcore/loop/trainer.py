@@ -432,7 +432,12 @@ class PolicyTrainer:
         return {"model": self.model.state_dict(), "optimizer": optimizer_state(self.stack),
                 "config": asdict(self.cfg.train)}
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
+        mismatch = ckpt.tensor_mismatch(state["model"], self.model.state_dict())
+        if mismatch:  # torch would only say "Error(s) in loading state_dict"
+            raise ValueError(f"{source} holds another model or layout: resume with the model.path, precision and "
+                             f"train.tp_size/pp_size/ep_size it was written with, or start anew in another "
+                             f"checkpoint.dir ({mismatch})")
         self.model.load_state_dict(state["model"])
         from qurl_mcore.megatron.training import load_optimizer_state
 
@@ -453,7 +458,7 @@ class PolicyTrainer:
 
     def load_checkpoint(self, path: str) -> None:
         """Load this rank's state from a published (verified) checkpoint."""
-        self.load_state(ckpt.read_file(path, ckpt.rank_file(self.rank)))
+        self.load_state(ckpt.read_file(path, ckpt.rank_file(self.rank)), source=path)
 
     def empty_cache(self) -> None:
         """Hand the allocator's cached blocks back to the GPU, for an engine on the same one to resume into."""
