@@ -19,7 +19,8 @@ def test_ctrl_c_while_ray_starts_prints_one_line(tmp_path):
     run = subprocess.Popen(
         [sys.executable, "-c", "import sys; from qurl_mcore.cli import main; sys.exit(main(sys.argv[1:]))", "train", "model.path=tiny-llama", "precision=bf16",
          "uaq.enabled=false", f"checkpoint.dir={tmp_path}/ckpt", f"logging.dir={tmp_path}/logs", "--address",
-         "127.0.0.1:1"], stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+         "127.0.0.1:1"], stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a shell's background job ignores it
     try:
         seen = []
         while not any("steps of tiny-llama" in line for line in seen):  # the line just before ray.init
