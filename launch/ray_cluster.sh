@@ -78,6 +78,15 @@ use_token() {  # use_token HEAD_ADDRESS [new|wait]: the caller's token, else the
   export RAY_AUTH_TOKEN_PATH=$path
 }
 
+# `ray start --head` records its address in Ray's temp directory, and every later `ray.init()` without an address
+# on this machine goes there: forget it when this head ends (as `ray stop` does), unless another head replaced it.
+current_cluster=${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/ray_current_cluster
+forget_head() {
+  if [[ $cmd == head && -f $current_cluster && $(<"$current_cluster") == *:"$port" ]]; then
+    rm -f "$current_cluster"
+  fi
+}
+
 run_blocking() {
   # `ray start --block` exits when its processes die. On SIGTERM (Slurm ending the step, or `stop`) pass the
   # signal on: it stops the processes it started and no others (`ray stop` would stop every Ray node on the
@@ -88,9 +97,10 @@ run_blocking() {
   ray start "$@" --block &
   ray_pid=$!
   echo $$ > "$pid_path"
-  trap 'kill -TERM "$ray_pid" 2>/dev/null; wait "$ray_pid" || true; rm -f "$pid_path"; exit 0' TERM INT
+  trap 'kill -TERM "$ray_pid" 2>/dev/null; wait "$ray_pid" || true; rm -f "$pid_path"; forget_head; exit 0' TERM INT
   wait "$ray_pid"
   rm -f "$pid_path"
+  forget_head
 }
 
 alive() {  # a process that ended but is not yet reaped by its parent (a zombie) counts as ended

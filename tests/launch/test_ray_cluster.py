@@ -56,7 +56,10 @@ def test_head_wait_and_clean_shutdown(tmp_path):
     assert head.returncode == 0
     token = home / ".qurl" / "ray" / f"token-127.0.0.1-{port}"
     assert token.stat().st_mode & 0o777 == 0o600 and token.read_text() != "0123456789abcdef" * 4
-    # the head stopped Ray: nothing listens on its port any more
+    # the head stopped Ray: nothing listens on its port any more, and a later ray.init() without an address on
+    # this machine is no longer sent to it
+    current = Path("/tmp/ray/ray_current_cluster")
+    assert not current.exists() or not current.read_text().strip().endswith(f":{port}")
     time.sleep(1)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0
