@@ -8,28 +8,26 @@
 #   ray_cluster.sh wait   --address HOST:PORT --nodes N [--timeout SECONDS]
 #   ray_cluster.sh submit --address HOST:PORT [--dashboard-port P] [--working-dir DIR] -- COMMAND...
 #   ray_cluster.sh stop   [--node-ip IP]
-#   ray_cluster.sh auth-mode   (prints the RAY_AUTH_MODE every process of the cluster must share)
 #
 # head/worker block in the foreground (so srun keeps them alive) and stop Ray when they get SIGTERM.
 # `stop` stops the node that head/worker started on this host (its address: --node-ip, else the host's
 # first), not the other Ray nodes of the machine; their PIDs wait in $QURL_RAY_STATE_DIR (/tmp/qurl-ray).
+# Every cluster runs with Ray's token authentication: the caller's token (RAY_AUTH_TOKEN, or the file named by
+# RAY_AUTH_TOKEN_PATH), else `head` makes one of its own in $QURL_RAY_TOKEN_DIR (~/.qurl/ray, readable by the
+# user only), where worker, wait and submit on a host sharing that directory find it by the head's address.
+# The dashboard (Ray's job API) listens on the head's address, or on $QURL_RAY_DASHBOARD_HOST when set.
 # Uses the `ray` and `python` found on PATH: activate the project's environment first.
 set -euo pipefail
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "ray_cluster.sh: $*" >&2; exit 1; }
 
-auth_mode() {
-  # `ray start --head` turns token auth on whenever a token exists (~/.ray/auth_token, e.g. left by any local
-  # ray.init), but a client whose RAY_AUTH_MODE is unset then connects without it and gets InvalidAuthToken.
-  # Pin one mode for every process: the caller's, else token when a token exists, else disabled.
-  if [[ -n "${RAY_AUTH_MODE:-}" ]]; then echo "$RAY_AUTH_MODE"
-  elif [[ -n "${RAY_AUTH_TOKEN:-}" || -n "${RAY_AUTH_TOKEN_PATH:-}" || -s "$HOME/.ray/auth_token" ]]; then echo token
-  else echo disabled
-  fi
-}
-RAY_AUTH_MODE=$(auth_mode)
-export RAY_AUTH_MODE
+# Without token authentication anyone who reaches the dashboard's port submits jobs, that is runs code, through
+# Ray's job API; and a client whose mode differs from the cluster's is refused (InvalidAuthToken).
+if [[ "${RAY_AUTH_MODE:-token}" != token ]]; then
+  die "clusters started here use token authentication; unset RAY_AUTH_MODE (it is '$RAY_AUTH_MODE')"
+fi
+export RAY_AUTH_MODE=token
 
 cmd=${1:-}; [[ -n "$cmd" ]] || usage; shift
 port=6379 dashboard_port=8265 address="" nodes="" timeout=600 working_dir="" node_ip=""
@@ -53,9 +51,40 @@ while [[ $# -gt 0 ]]; do
 done
 
 state_dir=${QURL_RAY_STATE_DIR:-/tmp/qurl-ray}
+host_ip() { echo "${node_ip:-$(hostname -I 2>/dev/null | awk '{print $1}')}"; }
 pid_file() {  # this host's Ray node: named by its address (hosts may share a machine, e.g. network namespaces)
-  local ip=${node_ip:-$(hostname -I 2>/dev/null | awk '{print $1}')}
+  local ip
+  ip=$(host_ip)
   echo "$state_dir/node-${ip:-$(hostname)}.pid"
+}
+
+token_dir=${QURL_RAY_TOKEN_DIR:-$HOME/.qurl/ray}
+use_token() {  # use_token HEAD_ADDRESS [new|wait]: the caller's token, else the head's file (made anew with
+  # "new"; with "wait", waited for up to $timeout s: the head may not have started yet)
+  [[ -n "${RAY_AUTH_TOKEN:-}" || -n "${RAY_AUTH_TOKEN_PATH:-}" ]] && return 0
+  local path=$token_dir/token-${1//:/-}
+  if [[ ${2:-} == wait ]]; then
+    local deadline=$((SECONDS + ${timeout%.*}))
+    while [[ ! -s $path ]] && (( SECONDS < deadline )); do sleep 1; done
+  fi
+  if [[ ${2:-} == new ]]; then
+    (umask 077 && mkdir -p "$token_dir" && chmod 700 "$token_dir" &&
+      od -An -N32 -tx1 /dev/urandom | tr -d ' \n' > "$path")
+    echo "[ray] token authentication: the token is in $path (mode 0600); a client on another host needs" \
+      "RAY_AUTH_TOKEN_PATH naming a copy of it, or the token itself as RAY_AUTH_TOKEN"
+  elif [[ ! -s $path ]]; then
+    die "no token for the Ray cluster at $1: set RAY_AUTH_TOKEN_PATH to the head's token file (the head printed its path) or RAY_AUTH_TOKEN to the token"
+  fi
+  export RAY_AUTH_TOKEN_PATH=$path
+}
+
+# `ray start --head` records its address in Ray's temp directory, and every later `ray.init()` without an address
+# on this machine goes there: forget it when this head ends (as `ray stop` does), unless another head replaced it.
+current_cluster=${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/ray_current_cluster
+forget_head() {
+  if [[ $cmd == head && -f $current_cluster && $(<"$current_cluster") == *:"$port" ]]; then
+    rm -f "$current_cluster"
+  fi
 }
 
 run_blocking() {
@@ -68,9 +97,10 @@ run_blocking() {
   ray start "$@" --block &
   ray_pid=$!
   echo $$ > "$pid_path"
-  trap 'kill -TERM "$ray_pid" 2>/dev/null; wait "$ray_pid" || true; rm -f "$pid_path"; exit 0' TERM INT
+  trap 'kill -TERM "$ray_pid" 2>/dev/null; wait "$ray_pid" || true; rm -f "$pid_path"; forget_head; exit 0' TERM INT
   wait "$ray_pid"
   rm -f "$pid_path"
+  forget_head
 }
 
 alive() {  # a process that ended but is not yet reaped by its parent (a zombie) counts as ended
@@ -94,15 +124,19 @@ stop_node() {
 
 case "$cmd" in
   head)
-    run_blocking --head --port "$port" --dashboard-host 0.0.0.0 --dashboard-port "$dashboard_port" \
-      --disable-usage-stats "${start_args[@]}"
+    head_ip=$(host_ip)
+    use_token "$head_ip:$port" new
+    run_blocking --head --port "$port" --dashboard-host "${QURL_RAY_DASHBOARD_HOST:-$head_ip}" \
+      --dashboard-port "$dashboard_port" --disable-usage-stats "${start_args[@]}"
     ;;
   worker)
     [[ -n "$address" ]] || die "worker needs --address HOST:PORT of the head"
+    use_token "$address"
     run_blocking --address "$address" --disable-usage-stats "${start_args[@]}"
     ;;
   wait)
     [[ -n "$address" && -n "$nodes" ]] || die "wait needs --address HOST:PORT and --nodes N"
+    use_token "$address" wait
     python - "$address" "$nodes" "$timeout" <<'PY'
 import sys, time
 address, want, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
@@ -130,6 +164,7 @@ PY
   submit)
     [[ -n "$address" ]] || die "submit needs --address HOST:PORT"
     [[ $# -gt 0 ]] || die "submit needs a command after --"
+    use_token "$address"
     host=${address%:*}
     wd=()
     [[ -n "$working_dir" ]] && wd=(--working-dir "$working_dir")
@@ -137,9 +172,6 @@ PY
     ;;
   stop)
     stop_node
-    ;;
-  auth-mode)
-    echo "$RAY_AUTH_MODE"
     ;;
   *) usage ;;
 esac

@@ -13,6 +13,8 @@ Layout: ROOT/step_00000012/{meta.json, driver.pt, rank0.pt, rank1.pt, ...}
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -38,14 +40,24 @@ class _HashingWriter:
 
     def __init__(self, path: Path):
         self.file, self.sha, self.size = open(path, "wb"), hashlib.sha256(), 0
+        self.error: OSError | None = None  # the file's own error, which torch.save may report as its own
 
     def write(self, data) -> int:
         self.sha.update(data)
         self.size += len(data)
-        return self.file.write(data)
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
 
     def flush(self) -> None:
-        self.file.flush()
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as err:
+            self.error = err
+            raise
 
 
 def write_file(root: str | Path, step: int, name: str, state: dict[str, Any]) -> dict[str, Any]:
@@ -58,9 +70,15 @@ def write_file(root: str | Path, step: int, name: str, state: dict[str, Any]) ->
     try:
         torch.save(state, writer)
         writer.flush()
-        os.fsync(writer.file.fileno())
-    finally:
         writer.file.close()
+    except BaseException as err:
+        with contextlib.suppress(OSError):  # what is still buffered cannot be written either
+            writer.file.close()
+        tmp.unlink(missing_ok=True)
+        if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in (writer.error, err)):
+            raise OSError(errno.ENOSPC, f"no space left on device for {partial / name} (its partial file is "
+                                        "removed); free space there or set checkpoint.dir to another disk") from None
+        raise
     os.replace(tmp, partial / name)
     return {"file": name, "bytes": writer.size, "sha256": writer.sha.hexdigest()}
 
@@ -149,6 +167,25 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 def read_file(path: str | Path, name: str) -> dict[str, Any]:
     """One file's state of a published checkpoint."""
     return torch.load(Path(path) / name, map_location="cpu", weights_only=False)
+
+
+def tensor_mismatch(saved: dict[str, Any], current: dict[str, Any], shown: int = 2) -> str | None:
+    """How a checkpoint's state dict `saved` differs from a model's `current` one, in one line: the tensors
+    only the model has, those only the checkpoint has, and those of another shape (the first `shown` of each,
+    with the count); None when names and shapes agree."""
+    def shape(value) -> list[int] | None:
+        return list(value.shape) if isinstance(value, torch.Tensor) else None
+
+    def first(kind: str, items: list[str]) -> str:
+        more = f" and {len(items) - shown} more" if len(items) > shown else ""
+        return f"{len(items)} {kind}: " + ", ".join(items[:shown]) + more
+
+    kinds = [("only in this run's model", [k for k in current if k not in saved]),
+             ("only in the checkpoint", [k for k in saved if k not in current]),
+             ("of another shape", [f"{k} {shape(saved[k])} (the model's: {shape(current[k])})" for k in current
+                                   if k in saved and shape(saved[k]) != shape(current[k])])]
+    found = [first(kind, items) for kind, items in kinds if items]
+    return "; ".join(found) or None
 
 
 def rank_file(rank: int) -> str:

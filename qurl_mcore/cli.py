@@ -49,7 +49,8 @@ def _prepare_models(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
 
     from .config import ConfigError, load_config
-    from .loop.outcome import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED, RunFailure
+    from .loop.outcome import (EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STOPPED,
+                               RunFailure)
     from .preflight import preflight
 
     try:
@@ -70,10 +71,10 @@ def _train(args: argparse.Namespace) -> int:
             return EXIT_BAD_CONFIG
         print(f"qurl train --check: {where} is ready to run\n{checked.report()}")
         return EXIT_FINISHED
-    from .loop.driver import run
-
     again = shlex.join(["qurl", "train", *sys.argv[2:]]) if sys.argv[1:2] == ["train"] else "the same command"
     try:
+        from .loop.driver import run
+
         result = run(cfg, address=args.address)
     except ConfigError as err:
         print(f"qurl train: {where}: {err}", file=sys.stderr)
@@ -82,6 +83,10 @@ def _train(args: argparse.Namespace) -> int:
         print(f"qurl train: {err}\nqurl train: the run stopped; resume from the last checkpoint in "
               f"{cfg.checkpoint.dir} with: {again}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:  # before the run's own signal handling is up, or a second Ctrl-C
+        print(f"qurl train: interrupted; {again} starts it again (from the last checkpoint in "
+              f"{cfg.checkpoint.dir}, if any)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(f"qurl train: {result.steps_done}/{cfg.steps} steps; metrics {result.log_dir / 'metrics.jsonl'}"
           + (f"; report {result.report}" if result.report else ""))
     if result.stopped and result.steps_done < cfg.steps:

@@ -1,7 +1,7 @@
 """`qurl train --check`: every rule that involves more than one field, checked before anything starts.
 
-`preflight(cfg)` reads the model's config.json (not its weights), applies the precision table and the
-placement rules, and returns the problems (each naming the fields and the fix) together with a summary of
+`preflight(cfg)` reads the model's config.json, its weights' headers and its tokenizer (every prompt row is
+measured by it), applies the precision table and the placement rules, and returns the problems (each naming the fields and the fix) together with a summary of
 the resolved run: the precision of each side and the linears each quantizes, the layout and where the
 actors go. Nothing here starts Ray, Megatron or SGLang, or imports them; `qurl train` runs the same
 checks first and refuses to start on any problem.
@@ -9,10 +9,12 @@ checks first and refuses to start on any problem.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +29,10 @@ from .models.registry import hf_linears, num_experts
 from .precision import METHODS, PRECISIONS, get_precision, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
 from .sizing import check_fits, local_gpu, model_config
-from .tasks import addition_examples, load_examples, load_reward
+from .tasks import addition_examples, chat_ids, load_reward, scan_examples
 
 
-DATA_SAMPLE = 100  # prompt rows read by the check (the run reads them all)
+BAD_ROWS_NAMED = 5  # the check counts every bad prompt row and names the first few
 
 
 @dataclass
@@ -65,11 +67,6 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
         out.problems.append("data.path: task 'file' needs the path of a .jsonl or .parquet prompt file")
     elif d.task == "file" and not Path(d.path).is_file():
         out.problems.append(f"data.path: {d.path} does not exist")
-    elif d.task == "file":
-        try:  # a sample now; the rollout manager reads every row at start and names any bad one the same way
-            load_examples(d.path, prompt_key=d.prompt_key, answer_key=d.answer_key, limit=DATA_SAMPLE)
-        except (ValueError, OSError) as err:
-            out.problems.append(f"data.path: {err}")
     for name, path in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir)):
         problem = _unwritable(Path(path))
         if problem:
@@ -147,15 +144,67 @@ def _eval_rules(cfg: Config, out: Preflight) -> None:
                        + ("rollout engines and a BF16 engine" if e.bf16_reference else "rollout engines"))
 
 
+def _prompt_rows(cfg: Config, out: Preflight, model_path: str | None) -> None:
+    """Every row of data.path, streamed as the run reads it (valid JSON, a non-empty prompt and answer) and,
+    with the model here, each prompt's length in tokens by the model's chat template, which must leave
+    rollout.max_new_tokens of rollout.context_length for the answer. The first few bad rows are named, all
+    are counted."""
+    d, r = cfg.data, cfg.rollout
+    if d.task != "file" or not d.path or not Path(d.path).is_file():
+        return  # the field rules named the path
+    budget = r.context_length - r.max_new_tokens  # the field rules refuse a budget of 0 or less
+    tokenizer = None
+    if model_path is not None and budget > 0:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    bad, rows, longest = [], 0, 0
+    try:
+        for where, example in scan_examples(d.path, prompt_key=d.prompt_key, answer_key=d.answer_key):
+            rows += 1
+            if isinstance(example, str):
+                bad.append(example)
+            elif tokenizer is not None:
+                length = len(chat_ids(tokenizer, example, d.system_prompt))
+                longest = max(longest, length)
+                if length > budget:
+                    bad.append(f"{where}: the prompt is {length} tokens, over the {budget} that rollout.context_length "
+                               f"{r.context_length} leaves after rollout.max_new_tokens {r.max_new_tokens}")
+    except (ValueError, OSError) as err:
+        out.problems.append(f"data.path: {err}")
+        return
+    out.problems += [f"data.path: {problem}" for problem in bad[:BAD_ROWS_NAMED]]
+    if len(bad) > 1:
+        out.problems.append(f"data.path: {len(bad)} bad rows of {rows} (the first {min(len(bad), BAD_ROWS_NAMED)} "
+                            "above); fix or drop them (a long prompt: or raise rollout.context_length)")
+    elif not rows:
+        out.problems.append(f"data.path: {d.path} holds no prompts")
+    if tokenizer is not None and rows:
+        out.summary.append(f"  data        {rows} prompts, the longest {longest} tokens (room: {budget})")
+
+
 def _unwritable(path: Path) -> str | None:
-    """Why nothing could be written at `path` (created if missing), or None."""
-    existing = path.absolute()
+    """Why nothing could be written at `path`, or None: proven by creating it if missing and writing a file in
+    it (permissions alone do not say: root passes every access check, /proc refuses root), then removing what
+    was made."""
+    path = path.absolute()
+    existing = path
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is a file, not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable by this user"
+    made = [p for p in [path, *path.parents] if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".qurl-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return f"nothing can be written in {path} ({err.strerror})"
+    finally:
+        for p in made:  # innermost first: a check leaves nothing behind
+            with contextlib.suppress(OSError):
+                p.rmdir()
     return None
 
 
@@ -166,15 +215,43 @@ def _model_config(cfg: Config, out: Preflight) -> tuple[str, dict[str, Any]] | N
     except (OSError, ValueError) as err:
         out.problems.append(f"model.path: {err}")
         return None
-    if not any(path.glob("*.safetensors")):
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
         out.problems.append(f"model.path: {path} has a config.json but no *.safetensors weights; give an HF "
                             "checkpoint directory")
+        return None
+    damaged = [f"model.path: {file} {why}; download or copy it again" for file in weights
+               for why in [_safetensors_damage(file)] if why]
+    if damaged:
+        out.problems += damaged
         return None
     if hf.get("model_type") not in ARCHITECTURES:
         out.problems.append(f"model.path: {path} is a {hf.get('model_type')!r} model; qurl-mcore trains "
                             f"{list(ARCHITECTURES)}")
         return None
     return str(path), hf
+
+
+def _safetensors_damage(file: Path) -> str | None:
+    """What is wrong with a safetensors file, read from its header alone, or None. The format: 8 bytes
+    (little-endian) giving the header's length n, n bytes of JSON naming each tensor's [begin, end) in the data
+    that follows, and the data, as long as the largest end: a truncated copy is shorter."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"is {size} bytes, too short for a safetensors header"
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            return f"is truncated: its header says {n} bytes of JSON, the file has {size - 8} after the length"
+        try:
+            header = json.loads(f.read(n))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError) as err:
+            return f"has a damaged header ({err})"
+    if 8 + n + end != size:
+        return f"is {size} bytes where its header says {8 + n + end}" + (" (truncated)" if size < 8 + n + end else "")
+    return None
 
 
 def _model_card(cfg: Config, out: Preflight) -> tuple[str, dict[str, Any]] | None:
@@ -282,6 +359,7 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
         out.summary.append(f"  trainer     Megatron, {mode}: quantizes {_linears_line(hf, train)}")
         method = f"{precision.rollout} (mode {METHODS[precision.rollout].mode})" if precision.rollout else "bf16"
         out.summary.append(f"  engines     SGLang {method}, dtype {r.dtype}: quantize {_linears_line(hf, roll)}")
+    _prompt_rows(cfg, out, model[0] if model is not None and Path(model[0]).is_dir() else None)
     _placement(cfg, use_gpu, out, local)
     t = cfg.train
     dtype = str(cfg.train_dtype(use_gpu)).removeprefix("torch.")

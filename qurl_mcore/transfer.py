@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import errno
-import ipaddress
 import os
 import socket
 from typing import Any, Iterable, Iterator
@@ -100,11 +99,12 @@ def bind_stores_to_their_address() -> None:
 def bind_gloo_towards(peer: str) -> str | None:
     """Make this process's gloo groups (torch.distributed's CPU backend, here and in the processes it starts)
     use the network interface that routes to `peer`, a group's rendezvous address, by setting
-    GLOO_SOCKET_IFNAME. Gloo otherwise advertises the address its host name resolves to, which on many hosts
-    (Debian's 127.0.1.1, containers, network namespaces) is a loopback no other node reaches: every group
-    across nodes then fails to connect. Returns the interface; None (nothing changed) for a loopback peer or
-    when GLOO_SOCKET_IFNAME is set already."""
-    if os.environ.get("GLOO_SOCKET_IFNAME") or ipaddress.ip_address(socket.gethostbyname(peer)).is_loopback:
+    GLOO_SOCKET_IFNAME. Gloo otherwise listens on the address its host name resolves to: on many hosts
+    (Debian's 127.0.1.1, containers, network namespaces) a loopback no other node reaches, so every group
+    across nodes fails to connect; on others the external interface, so a local group (a loopback `peer`)
+    would be reachable from the network. Returns the interface; None (nothing changed) when
+    GLOO_SOCKET_IFNAME is set already."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
         return None
     import psutil
 

@@ -3,6 +3,7 @@ each with its own address on a private bridge, and a Ray cluster across them (la
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -27,10 +28,15 @@ class Nodes:
 
     def __init__(self, count: int, state_dir: Path):
         tag = os.getpid() % 200
+        state_dir.mkdir(parents=True, exist_ok=True)
+        token = state_dir / "ray-token"  # the cluster's token (ray_cluster.sh runs every cluster with one)
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
         self.env = {**os.environ, "QURL_NETNS_PREFIX": f"qt{os.getpid() % 100000}",
                     "QURL_NETNS_SUBNET": f"10.231.{tag + 20}", "QURL_RAY_STATE_DIR": str(state_dir),
-                    "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled"}
-        for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+                    "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
+                    "RAY_AUTH_TOKEN_PATH": str(token)}
+        for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
             self.env.pop(key, None)
         self.count = count
         self.ray: list[subprocess.Popen] = []

@@ -7,7 +7,7 @@ import torch
 
 from qurl_mcore.checkpoint import (
     finalize, latest_checkpoint, latest_valid, list_checkpoints, read_file, read_meta, rng_state,
-    set_rng_state, verify, write_file,
+    set_rng_state, tensor_mismatch, verify, write_file,
 )
 
 
@@ -77,3 +77,28 @@ def test_rng_state_round_trip():
     set_rng_state(state)
     b = (random.random(), np.random.rand(), torch.rand(2))
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_tensor_mismatch_names_the_first_differences_and_counts_them():
+    model = {f"w{i}": torch.zeros(2, 3) for i in range(5)}
+    assert tensor_mismatch(dict(model), model) is None
+    saved = {f"w{i}": torch.zeros(2, 4) for i in range(1, 5)} | {"extra": torch.zeros(1)}
+    assert tensor_mismatch(saved, model) == (
+        "1 only in this run's model: w0; 1 only in the checkpoint: extra; 4 of another shape: "
+        "w1 [2, 4] (the model's: [2, 3]), w2 [2, 4] (the model's: [2, 3]) and 2 more")
+
+
+def test_a_full_disk_says_so_with_the_path_and_leaves_no_partial_file(tmp_path):
+    """The file being written is /dev/full (every write fails with ENOSPC, as on a full disk): the error says
+    "no space left on device" with the checkpoint file's path, and the half-written file is gone."""
+    import errno
+    import os
+
+    partial = tmp_path / "step_00000001.partial"
+    partial.mkdir()
+    os.symlink("/dev/full", partial / "rank0.pt.tmp")
+    with pytest.raises(OSError) as err:
+        write_file(tmp_path, 1, "rank0.pt", {"w": torch.zeros(1 << 16)})
+    assert err.value.errno == errno.ENOSPC
+    assert f"no space left on device for {partial / 'rank0.pt'}" in str(err.value)
+    assert "checkpoint.dir" in str(err.value) and not list(partial.iterdir())

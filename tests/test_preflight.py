@@ -39,6 +39,63 @@ def test_unwritable_output_directories(tmp_path):
         assert "logging.dir" in _problems(tmp_path, f"logging.dir={locked}/logs")
 
 
+def test_a_directory_is_proven_writable_by_writing_in_it(tmp_path):
+    """/proc refuses every write, root's too, though os.access says yes to root: the check writes a file to know.
+    A directory it had to make for that is removed again."""
+    assert "checkpoint.dir: nothing can be written in /proc/x" in _problems(tmp_path, "checkpoint.dir=/proc/x")
+    assert "logging.dir" not in _problems(tmp_path, f"logging.dir={tmp_path}/new/logs")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_truncated_safetensors_file_is_refused_with_its_path(tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint("llama"), model)
+    weights = model / "model.safetensors"
+    assert "model.path" not in _problems(tmp_path, f"model.path={model}")
+    size = weights.stat().st_size
+    with weights.open("r+b") as f:
+        f.truncate(size - 1000)
+    text = _problems(tmp_path, f"model.path={model}")
+    assert f"model.path: {weights} is {size - 1000} bytes where its header says {size} (truncated)" in text
+    with weights.open("r+b") as f:
+        f.truncate(100)
+    assert f"model.path: {weights} is truncated: its header says" in _problems(tmp_path, f"model.path={model}")
+
+
+def test_every_prompt_row_is_read_and_measured(tmp_path):
+    """Bad rows past the first hundred are found, each named by its line, all counted: broken JSON, a null
+    answer (not the answer "None"), an empty prompt, and a prompt whose tokens (by the model's chat template)
+    leave less than max_new_tokens of the context."""
+    from transformers import AutoTokenizer
+
+    from qurl_mcore.tasks import Example, chat_ids
+
+    rows = [json.dumps({"question": f"{i}+1", "answer": str(i + 1)}) for i in range(300)]
+    rows[119] = json.dumps({"question": "2+2", "answer": None})
+    rows[149] = json.dumps({"question": "  ", "answer": "4"})
+    rows[199] = '{"question": "2+2", "answer": '
+    rows[249] = json.dumps({"question": "1+1 " * 200, "answer": "2"})
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    overrides = ["data.task=file", f"data.path={data}", "rollout.context_length=256", "rollout.max_new_tokens=64"]
+    text = _problems(tmp_path, *overrides)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
+    length = len(chat_ids(tokenizer, Example(({"role": "user", "content": "1+1 " * 200},), "2")))
+    assert f"data.path: {data}:120: the answer ('answer') is null" in text
+    assert f"data.path: {data}:150: the prompt is empty" in text
+    assert f"data.path: {data}:200: not valid JSON" in text
+    assert (f"data.path: {data}:250: the prompt is {length} tokens, over the 192 that rollout.context_length 256 "
+            "leaves after rollout.max_new_tokens 64") in text
+    assert "data.path: 4 bad rows of 300" in text
+    rows = [r for i, r in enumerate(rows) if i not in (119, 149, 199)]
+    data.write_text("\n".join(rows) + "\n")
+    summary = _problems(tmp_path, *overrides[:2], "rollout.context_length=2048", overrides[3])
+    assert "data.path" not in summary
+    assert f"data        297 prompts, the longest {length} tokens (room: {2048 - 64})" in summary
+
+
 def test_a_model_directory_without_weights(tmp_path):
     model = tmp_path / "model"
     model.mkdir()

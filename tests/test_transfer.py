@@ -46,17 +46,28 @@ def test_free_port_is_bindable_and_backend_follows_the_device():
     assert dtype_name(torch.bfloat16) == dtype_name("torch.bfloat16") == dtype_name("bfloat16") == "bfloat16"
 
 
+def test_gloo_of_a_local_group_binds_loopback(monkeypatch):
+    """Gloo would listen where the host name resolves, on many hosts the external interface: a group whose
+    rendezvous is loopback gets the loopback interface."""
+    import psutil
+
+    from qurl_mcore.transfer import bind_gloo_towards
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    name = bind_gloo_towards("127.0.0.1")
+    assert name is not None and os.environ["GLOO_SOCKET_IFNAME"] == name
+    assert "127.0.0.1" in {a.address for a in psutil.net_if_addrs()[name]}
+
+
 def test_gloo_binds_the_interface_towards_the_rendezvous(netns_nodes, monkeypatch):
     """On a host whose name resolves to a loopback address (as on Debian, or in these namespace nodes), gloo
     would advertise it to the other nodes; towards another node's address the interface that reaches it is
-    chosen; towards loopback, or when the user set one, nothing changes."""
+    chosen; when the user set one, nothing changes."""
     import subprocess
     import sys
 
     from qurl_mcore.transfer import bind_gloo_towards
 
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    assert bind_gloo_towards("127.0.0.1") is None and "GLOO_SOCKET_IFNAME" not in os.environ
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")
     assert bind_gloo_towards("10.0.0.1") is None and os.environ["GLOO_SOCKET_IFNAME"] == "mine"
     nodes = netns_nodes(2)

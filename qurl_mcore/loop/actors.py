@@ -33,9 +33,16 @@ def _options(placement: Placement, pg, index: int, devices: float, threads: int)
     return opts
 
 
-def _rendezvous() -> tuple[str, int]:
-    """This node's address and a TCP port free on it."""
-    addr = ray.util.get_node_ip_address()
+def endpoint_host(nodes: int) -> str | None:
+    """Where the run's endpoints listen (the trainer's rendezvous and weight group, the engines' servers) in a
+    Ray cluster of `nodes` nodes: loopback on a single node, where nothing outside the machine needs to reach
+    them; None otherwise, for the address of the node each endpoint runs on, which the other nodes reach."""
+    return "127.0.0.1" if nodes == 1 else None
+
+
+def _rendezvous(host: str | None) -> tuple[str, int]:
+    """`host` (None: this node's address) and a TCP port free there."""
+    addr = host or ray.util.get_node_ip_address()
     return addr, free_port(addr)
 
 
@@ -77,7 +84,9 @@ def start_actors(cfg: Config, model_path: str, stop=None) -> tuple[TrainerGroup,
     world = len(placement.trainer)
     engine_devices = placement.share * (cfg.rollout.tp_size if use_gpu and cfg.layout == "disaggregated" else 1)
     config = engine_config(cfg, model_path, "cuda" if use_gpu else "cpu")
-    host = "127.0.0.1" if cfg.layout == "colocated" else None  # disaggregated: reachable from the trainer's node
+    nodes = sum(node["Alive"] for node in ray.nodes())
+    # colocated engines only hear their own node's trainer; disaggregated ones, the trainer's node
+    host = "127.0.0.1" if cfg.layout == "colocated" else endpoint_host(nodes)
     logs = os.path.abspath(cfg.logging.dir)  # each actor's output: a file of its own there
     configs = [(config, b, engine_devices) for b in placement.engines]
     if cfg.eval.every and cfg.eval.bf16_reference:  # preflight: colocated only
@@ -97,7 +106,7 @@ def start_actors(cfg: Config, model_path: str, stop=None) -> tuple[TrainerGroup,
                                  f"{logs}/engine-{i}.log") from None
     # rank 0 hosts the rendezvous: its node's address, and a port free there (not on the driver's node)
     master, port = ray.get(ray.remote(_rendezvous).options(
-        **_options(placement, pg, placement.trainer[0], 0, threads)).remote())
+        **_options(placement, pg, placement.trainer[0], 0, threads)).remote(endpoint_host(nodes)))
     trainers = [ray.remote(PolicyTrainer).options(**_options(placement, pg, b, placement.share, threads)).remote(
         cfg, rank, world, master, port, log_file=f"{logs}/trainer-{rank}.log")
         for rank, b in enumerate(placement.trainer)]

@@ -333,8 +333,15 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     owns_ray = not ray.is_initialized()
     if owns_ray:
         # "local": never attach to a cluster some earlier `ray start` left behind on this machine
-        ray.init(address=address or "local", resources=None if address else {"qurl_train": 1, "qurl_rollout": 1},
-                 log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
+        try:
+            ray.init(address=address or "local", resources=None if address else {"qurl_train": 1, "qurl_rollout": 1},
+                     log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
+        except BaseException as err:  # Ctrl-C included: the directories are the next run's
+            locks.release()
+            if isinstance(err, Exception):  # a start-up timeout, an address nobody answers at: one line
+                reason = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+                raise RunFailure(f"Ray did not start{f' at {address}' if address else ''}: {reason}") from None
+            raise
     stop = StopRequest()  # after ray.init, whose own SIGTERM handler would abort the driver
     torch.manual_seed(cfg.seed)
     log = MetricsLog(logs, wandb_project=cfg.logging.wandb_project, run_config=to_dict(cfg))

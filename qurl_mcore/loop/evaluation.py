@@ -16,7 +16,7 @@ import torch
 from qurl_mcore.config import Config
 from qurl_mcore.heldout import eval_examples, greedy_repeats
 from qurl_mcore.models import resolve_model_path
-from qurl_mcore.tasks import Example, load_reward, score_all
+from qurl_mcore.tasks import Example, chat_ids, load_reward, score_all
 from qurl_mcore.tasks.rewards import RewardFn
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def evaluate_model(cfg: Config, model_path: str, startup_timeout: float = 600.0,
     is known, any additions). Returns {"metrics": eval/*, "samples": `samples`}."""
     from transformers import AutoTokenizer  # only `qurl eval` needs a tokenizer here, not the loop
 
-    from .sampler import EngineHost, chat_ids, engine_config  # sampler imports this module
+    from .sampler import EngineHost, engine_config  # sampler imports this module
 
     if greedy_repeats(cfg):
         raise ValueError(greedy_repeats(cfg))

@@ -6,6 +6,7 @@ the stop request a signal turns into.
   2   EXIT_BAD_CONFIG  the config or the cluster cannot run (every problem listed); nothing was started
   75  EXIT_STOPPED     stopped by SIGTERM/SIGINT with a checkpoint written: run the same command to resume
                        (75 is sysexits' EX_TEMPFAIL, "try again later")
+  130 EXIT_INTERRUPTED Ctrl-C before the run could checkpoint (while it starts, or a second one): start it again
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ EXIT_FINISHED = 0
 EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
 EXIT_STOPPED = 75
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's status for a process SIGINT ended
 
 
 class RunFailure(RuntimeError):

@@ -25,7 +25,7 @@ from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
 from qurl_mcore.rollout.engine import moe_shape
 from qurl_mcore.rollout.results import RequestRefused
 from qurl_mcore.sglang.options import QUANTIZED_LOG_ENV
-from qurl_mcore.tasks import Example, addition_examples, load_examples, load_reward, score_all
+from qurl_mcore.tasks import Example, addition_examples, chat_ids, load_examples, load_reward, score_all
 from qurl_mcore.transfer import bind_gloo_towards
 
 from .batch import Sample
@@ -155,15 +155,6 @@ def prompt_indices(num_examples: int, step: int, per_step: int, seed: int) -> li
         random.Random(f"{seed}-{epoch}").shuffle(order)
         out.append(order[offset])
     return out
-
-
-def chat_ids(tokenizer, example: Example, system_prompt: str = "") -> list[int]:
-    """Token ids of `example`'s chat (after `system_prompt`, when set) with the assistant turn opened."""
-    messages = [dict(m) for m in example.messages]
-    if system_prompt:
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def load_prompt_set(cfg: Config) -> list[Example]:

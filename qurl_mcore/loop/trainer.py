@@ -31,7 +31,6 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -74,6 +73,7 @@ class PolicyTrainer:
             torch.set_num_threads(t.threads)
         if master_port is not None:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        self.master_addr = master_addr  # rank 0's endpoints listen there: its rendezvous, the weight group
         bind_gloo_towards(master_addr)  # rank 0's node: the trainer's groups and the engines' broadcast group
         init_parallel(t.tp_size, t.ep_size, pipeline_parallel=t.pp_size, seed=cfg.seed, rank=rank,
                       world_size=world_size)
@@ -354,8 +354,8 @@ class PolicyTrainer:
 
     def open_weight_group(self, group_name: str, backend: str, timeout: float) -> str:
         """Rank 0, disaggregated: a weight group with every engine's TP ranks, hosted on this node (blocks
-        until every engine joined). Returns the rendezvous address."""
-        addr = ray.util.get_node_ip_address()
+        until every engine joined), at the trainer's rendezvous address. Returns the group's address."""
+        addr = self.master_addr
         port = free_port(addr)
         self.sender = open_weight_group(self.engines, addr, port, group_name, backend, timeout)
         return f"{addr}:{port}"
@@ -433,7 +433,12 @@ class PolicyTrainer:
         return {"model": self.model.state_dict(), "optimizer": optimizer_state(self.stack),
                 "config": asdict(self.cfg.train)}
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
+        mismatch = ckpt.tensor_mismatch(state["model"], self.model.state_dict())
+        if mismatch:  # torch would only say "Error(s) in loading state_dict"
+            raise ValueError(f"{source} holds another model or layout: resume with the model.path, precision and "
+                             f"train.tp_size/pp_size/ep_size it was written with, or start anew in another "
+                             f"checkpoint.dir ({mismatch})")
         self.model.load_state_dict(state["model"])
         from qurl_mcore.megatron.training import load_optimizer_state
 
@@ -454,7 +459,7 @@ class PolicyTrainer:
 
     def load_checkpoint(self, path: str) -> None:
         """Load this rank's state from a published (verified) checkpoint."""
-        self.load_state(ckpt.read_file(path, ckpt.rank_file(self.rank)))
+        self.load_state(ckpt.read_file(path, ckpt.rank_file(self.rank)), source=path)
 
     def empty_cache(self) -> None:
         """Hand the allocator's cached blocks back to the GPU, for an engine on the same one to resume into."""

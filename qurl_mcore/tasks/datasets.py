@@ -25,8 +25,9 @@ def _answer(raw) -> str:
     return match.group(1).replace(",", "") if match else text.strip()
 
 
-def _rows(path: Path, limit: int | None) -> Iterator[tuple[str, object]]:
-    """(where, row) for the file's rows, the first `limit` only if given; `where` is path:line or path row N."""
+def _rows(path: Path, limit: int | None) -> Iterator[tuple[str, object, str | None]]:
+    """(where, row, problem) for the file's rows, streamed, the first `limit` only if given; `where` is path:line
+    or path row N; `problem` says why a line is no row (its JSON is broken), and the rows after it still come."""
     if path.suffix == ".jsonl":
         with path.open() as f:
             count = 0
@@ -36,32 +37,76 @@ def _rows(path: Path, limit: int | None) -> Iterator[tuple[str, object]]:
                 if line.strip():
                     count += 1
                     try:
-                        yield f"{path}:{number}", json.loads(line)
+                        yield f"{path}:{number}", json.loads(line), None
                     except json.JSONDecodeError as err:
-                        raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}); each line must be one "
-                                         "object") from None
+                        yield f"{path}:{number}", None, (f"{path}:{number}: not valid JSON ({err.msg}); each line "
+                                                         "must be one object")
         return
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.ParquetFile(path).iter_batches(batch_size=limit) if limit else [pq.read_table(path)]
-        for batch in rows:
-            for index, row in enumerate(batch.to_pylist()):
-                yield f"{path} row {index}", row
+        start = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=limit or 1024):
+            for index, row in enumerate(batch.to_pylist(), start):
+                yield f"{path} row {index}", row, None
             if limit:
                 return
+            start += batch.num_rows
         return
     raise ValueError(f"{path}: unsupported prompt file type {path.suffix!r}; use .jsonl or .parquet")
 
 
 def _messages(where: str, prompt, instruction: str) -> list[dict]:
     if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"{where}: the prompt is empty")
         return [{"role": "user", "content": f"{prompt}{instruction}"}]
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and {"role", "content"} <= set(m)
                                                    for m in prompt):
+        if not any(isinstance(m["content"], str) and m["content"].strip() for m in prompt):
+            raise ValueError(f"{where}: every message of the prompt is empty")
         return [dict(m) for m in prompt]
     raise ValueError(f"{where}: the prompt must be a string or a list of {{role, content}} messages, "
                      f"got {type(prompt).__name__} {str(prompt)[:80]!r}")
+
+
+def _example(where: str, row, prompt_key: str, answer_key: str, system_prompt: str | None,
+             instruction: str) -> Example:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be an object with {prompt_key!r} and {answer_key!r}, "
+                         f"got {type(row).__name__}")
+    missing = [k for k in (prompt_key, answer_key) if k not in row]
+    if missing:
+        raise ValueError(f"{where} has no {missing} (it has {sorted(row)}); set data.prompt_key / "
+                         "data.answer_key to the file's keys")
+    messages = _messages(where, row[prompt_key], instruction)
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if row[answer_key] is None:  # str(None) would be an answer the reward compares against
+        raise ValueError(f"{where}: the answer ({answer_key!r}) is null; every prompt needs the answer its "
+                         "reward checks")
+    answer = _answer(row[answer_key])
+    if not answer:
+        raise ValueError(f"{where}: the answer ({answer_key!r}) is empty")
+    return Example(tuple(messages), answer)
+
+
+def scan_examples(path: str | Path, *, prompt_key: str = "question", answer_key: str = "answer",
+                  system_prompt: str | None = None, instruction: str = "",
+                  limit: int | None = None) -> Iterator[tuple[str, Example | str]]:
+    """(where, example) for each row of a prompt file, streamed; a bad row gives (where, what is wrong with
+    it, naming file and line) and the scan goes on. `load_examples` says what the rows hold."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    for where, row, problem in _rows(path, limit):
+        if problem is None:
+            try:
+                yield where, _example(where, row, prompt_key, answer_key, system_prompt, instruction)
+                continue
+            except ValueError as err:
+                problem = str(err)
+        yield where, problem
 
 
 def load_examples(path: str | Path, *, prompt_key: str = "question", answer_key: str = "answer",
@@ -69,23 +114,24 @@ def load_examples(path: str | Path, *, prompt_key: str = "question", answer_key:
                   limit: int | None = None) -> list[Example]:
     """Read prompts and answers (the first `limit` rows only, if given: a quick check of a file). `prompt_key`
     may hold a string (the user turn; `instruction` is appended) or a list of chat messages; GSM8K-style
-    answers ("... #### 72") keep only the final answer. A bad row raises ValueError naming file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
+    answers ("... #### 72") keep only the final answer. A bad row (broken JSON, a key missing, an empty prompt,
+    a null or empty answer) raises ValueError naming file and line."""
     examples = []
-    for where, row in _rows(path, limit):
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: a row must be an object with {prompt_key!r} and {answer_key!r}, "
-                             f"got {type(row).__name__}")
-        missing = [k for k in (prompt_key, answer_key) if k not in row]
-        if missing:
-            raise ValueError(f"{where} has no {missing} (it has {sorted(row)}); set data.prompt_key / "
-                             "data.answer_key to the file's keys")
-        messages = _messages(where, row[prompt_key], instruction)
-        if system_prompt:
-            messages.insert(0, {"role": "system", "content": system_prompt})
-        examples.append(Example(tuple(messages), _answer(row[answer_key])))
+    for _, example in scan_examples(path, prompt_key=prompt_key, answer_key=answer_key,
+                                    system_prompt=system_prompt, instruction=instruction, limit=limit):
+        if isinstance(example, str):
+            raise ValueError(example)
+        examples.append(example)
     if not examples:
         raise ValueError(f"{path} holds no prompts")
     return examples
+
+
+def chat_ids(tokenizer, example: Example, system_prompt: str = "") -> list[int]:
+    """Token ids of `example`'s chat (after `system_prompt`, when set) with the assistant turn opened, by the
+    model's chat template (`tokenizer`: a Hugging Face tokenizer)."""
+    messages = [dict(m) for m in example.messages]
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,5 +1,6 @@
 """launch/ray_cluster.sh against a real Ray head on this machine."""
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,17 +24,13 @@ def _env(**extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("token", [False, True], ids=["no-token", "token-in-home"])
-def test_head_wait_and_clean_shutdown(tmp_path, token):
-    # A token in ~/.ray (any earlier local ray.init leaves one) turns the head's token auth on; the script must
-    # then make its clients use it too, and use no auth when there is none.
+def test_head_wait_and_clean_shutdown(tmp_path):
+    # The head makes a token of its own (not the one any earlier local ray.init leaves in ~/.ray) and runs with
+    # token authentication; the readiness check on the same host finds it by the head's address.
     home = tmp_path / "home"
     (home / ".ray").mkdir(parents=True)
-    if token:
-        (home / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
+    (home / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
     env = _env(HOME=str(home))
-    mode = subprocess.run(["bash", str(SCRIPT), "auth-mode"], env=env, capture_output=True, text=True)
-    assert mode.stdout.strip() == ("token" if token else "disabled")
     port, dash = free_port(), free_port()
     head = subprocess.Popen(
         ["bash", str(SCRIPT), "head", "--port", str(port), "--dashboard-port", str(dash), "--num-cpus", "1",
@@ -45,6 +42,10 @@ def test_head_wait_and_clean_shutdown(tmp_path, token):
                                 "--timeout", "120"], env=env, capture_output=True, text=True, timeout=180)
         assert ready.returncode == 0, ready.stderr + (tmp_path / "head.log").read_text()
         assert "1/1 nodes up" in ready.stdout and "'qurl_train': 1.0" in ready.stdout
+        # a client without the token is refused
+        intruder = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{port}')"],
+                                  env=_env(HOME=str(tmp_path)), capture_output=True, text=True, timeout=180)
+        assert intruder.returncode != 0 and "token" in intruder.stderr.lower(), intruder.stderr[-2000:]
         # asking for more nodes than exist times out with an explanation
         short = subprocess.run(["bash", str(SCRIPT), "wait", "--address", f"127.0.0.1:{port}", "--nodes", "2",
                                 "--timeout", "3"], env=env, capture_output=True, text=True, timeout=120)
@@ -53,10 +54,67 @@ def test_head_wait_and_clean_shutdown(tmp_path, token):
         os.killpg(head.pid, signal.SIGTERM)  # what Slurm does when the step ends
         head.wait(timeout=60)
     assert head.returncode == 0
-    # the head stopped Ray: nothing listens on its port any more
+    token = home / ".qurl" / "ray" / f"token-127.0.0.1-{port}"
+    assert token.stat().st_mode & 0o777 == 0o600 and token.read_text() != "0123456789abcdef" * 4
+    # the head stopped Ray: nothing listens on its port any more, and a later ray.init() without an address on
+    # this machine is no longer sent to it
+    current = Path("/tmp/ray/ray_current_cluster")
+    assert not current.exists() or not current.read_text().strip().endswith(f":{port}")
     time.sleep(1)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_launch_scripts_are_shellcheck_clean():
+    scripts = sorted(SCRIPT.parent.glob("*.sh")) + sorted(SCRIPT.parent.glob("slurm/*.sh"))
+    assert SCRIPT in scripts
+    out = subprocess.run([str(Path(sys.executable).parent / "shellcheck"), "-S", "info", *map(str, scripts)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+def _stub_ray(tmp_path: Path) -> dict:
+    """An environment whose `ray` prints its arguments and the auth variables it got, then exits (the head's
+    `ray start --block` returns at once): what the script starts, without starting it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "ray"
+    stub.write_text('#!/bin/bash\necho "ray $*"\necho "mode=$RAY_AUTH_MODE path=${RAY_AUTH_TOKEN_PATH:-}"\n')
+    stub.chmod(0o755)
+    env = _env(HOME=str(tmp_path / "home"), QURL_RAY_STATE_DIR=str(tmp_path / "state"))
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    return env
+
+
+def test_a_head_makes_its_own_token_and_binds_the_dashboard_to_its_address(tmp_path):
+    """No token given: the head makes one (64 hex digits, 0600, in a directory only the user reads) and runs
+    with token authentication, its dashboard on the head's address, not 0.0.0.0 (unless asked); a worker or
+    client of that head on the same host finds the token by the head's address; one with no token is refused."""
+    env = _stub_ray(tmp_path)
+    head = subprocess.run(["bash", str(SCRIPT), "head", "--port", "7001", "--node-ip", "10.9.8.7"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert head.returncode == 0, head.stderr
+    token = tmp_path / "home" / ".qurl" / "ray" / "token-10.9.8.7-7001"
+    assert re.fullmatch(r"[0-9a-f]{64}", token.read_text())
+    assert token.stat().st_mode & 0o777 == 0o600 and token.parent.stat().st_mode & 0o777 == 0o700
+    assert f"mode=token path={token}" in head.stdout and str(token) in head.stdout
+    assert "--dashboard-host 10.9.8.7 " in head.stdout and "0.0.0.0" not in head.stdout
+    again = subprocess.run(["bash", str(SCRIPT), "head", "--port", "7001", "--node-ip", "10.9.8.7"], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and re.fullmatch(r"[0-9a-f]{64}", token.read_text())
+    worker = subprocess.run(["bash", str(SCRIPT), "worker", "--address", "10.9.8.7:7001"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert worker.returncode == 0 and f"mode=token path={token}" in worker.stdout, worker.stderr
+    lost = subprocess.run(["bash", str(SCRIPT), "worker", "--address", "10.9.8.6:7001"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert lost.returncode != 0 and "no token for the Ray cluster at 10.9.8.6:7001" in lost.stderr
+    anywhere = subprocess.run(["bash", str(SCRIPT), "head", "--node-ip", "10.9.8.7"], capture_output=True, text=True,
+                              env={**env, "QURL_RAY_DASHBOARD_HOST": "0.0.0.0", "RAY_AUTH_TOKEN": "ab" * 32},
+                              timeout=60)
+    assert "--dashboard-host 0.0.0.0 " in anywhere.stdout and "mode=token path=\n" in anywhere.stdout
+    off = subprocess.run(["bash", str(SCRIPT), "head"], env={**env, "RAY_AUTH_MODE": "disabled"},
+                         capture_output=True, text=True, timeout=60)
+    assert off.returncode != 0 and "token authentication" in off.stderr and "ray " not in off.stdout
 
 
 def test_usage_errors_name_the_missing_option():

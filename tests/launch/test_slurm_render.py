@@ -71,6 +71,32 @@ def test_colocated_directives_and_command_lines(config):
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
 
 
+def test_the_job_makes_its_own_ray_token(config, tmp_path):
+    """Token authentication always on, with a token made per job: the job's lines that make it, run as they
+    are, leave 64 hex digits in a 0600 file in a 0700 directory and export the mode and the token to srun's steps;
+    two jobs get different tokens; the dashboard is not opened on every interface."""
+    script = render(_job(config))
+    lines = script.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("ray_token_dir="))
+    last = next(i for i, line in enumerate(lines) if line.startswith("export RAY_AUTH_MODE=token RAY_AUTH_TOKEN"))
+    probe = ("\n".join(lines[first:last + 1]) + '\nf=$ray_token_dir/auth_token; stat -c "%a" "$ray_token_dir" "$f" '
+             '| tr "\\n" " "; echo; bash -c \'echo "$RAY_AUTH_MODE $RAY_AUTH_TOKEN"\'; cat "$f"; echo')
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp), "SLURM_JOB_ID": "7"}
+    tokens = []
+    for _ in range(2):
+        out = subprocess.run(["bash", "-euo", "pipefail", "-c", probe], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        modes, exported, stored = out.stdout.splitlines()
+        assert modes.split() == ["700", "600"]
+        mode, token = exported.split()
+        assert mode == "token" and re.fullmatch(r"[0-9a-f]{64}", token) and stored == token
+        tokens.append(token)
+    assert tokens[0] != tokens[1] and not list(tmp.iterdir())  # removed when the job's shell exits
+    assert "0.0.0.0" not in script and "auth-mode" not in script
+
+
 def test_disaggregated_splits_train_and_rollout_nodes(config):
     script = render(_job(config, nodes=8, layout="disaggregated", rollout_nodes=3))
     assert "if (( $1 < 5 )); then echo '{\"qurl_train\": 1}'; else echo '{\"qurl_rollout\": 1}'; fi" in script

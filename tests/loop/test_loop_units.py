@@ -114,6 +114,39 @@ def test_rollout_requant_reaches_the_engines_options():
         load_config(None, ["rollout.requant=jit"])
 
 
+def _listening(port: int) -> set[str]:
+    """The local addresses (hex, as the kernel writes them) of the sockets listening on TCP `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+def test_a_single_node_run_listens_on_loopback_only():
+    """On one node the trainer's rendezvous (and with it the weight group and the engines) is loopback, and
+    the store rank 0 hosts there listens on nothing else (the kernel's table says so); across nodes each
+    endpoint takes its node's address."""
+    import importlib
+    from datetime import timedelta
+
+    from qurl_mcore.loop.actors import _rendezvous, endpoint_host
+    from qurl_mcore.transfer import bind_stores_to_their_address
+
+    assert endpoint_host(1) == "127.0.0.1" and endpoint_host(2) is None
+    addr, port = _rendezvous(endpoint_host(1))
+    assert addr == "127.0.0.1"
+    bind_stores_to_their_address()
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    store = rendezvous._create_c10d_store(addr, port, 0, 1, timedelta(seconds=30))
+    store.set("k", "v")
+    assert _listening(port) == {"0100007F"}  # 127.0.0.1, little-endian; not 00000000 (every interface)
+    del store
+
+
 def test_engine_failure_survives_pickling():
     import pickle
 

@@ -124,6 +124,28 @@ def test_state_round_trip_continues_identically(tmp_path):
         resumed.close()
 
 
+def test_a_state_of_another_model_names_the_tensors_that_differ():
+    """Instead of torch's bare "Error(s) in loading state_dict": which tensors differ and what to do."""
+    trainer = _trainer()
+    try:
+        state = trainer.state()
+        model = state["model"]
+        names = [k for k, v in model.items() if isinstance(v, torch.Tensor)]
+        dropped, grown = names[0], names[1]
+        del model[dropped]
+        model[grown] = torch.zeros(*model[grown].shape[:-1], model[grown].shape[-1] + 1)
+        model["decoder.layers.9.mlp.linear_fc1.weight"] = torch.zeros(2, 2)
+        with pytest.raises(ValueError) as err:
+            trainer.load_state(state, source="ckpt/step_00000003")
+        message = str(err.value)
+        assert message.startswith("ckpt/step_00000003 holds another model or layout: resume with the model.path")
+        assert (f"(1 only in this run's model: {dropped}; 1 only in the checkpoint: "
+                f"decoder.layers.9.mlp.linear_fc1.weight; 1 of another shape: {grown} ") in message
+        assert "\n" not in message
+    finally:
+        trainer.close()
+
+
 def test_export_gives_hf_named_bf16_tensors_with_uaq_folded_in():
     from qurl_mcore.megatron.convert import read_hf_state
     from qurl_mcore.uaq import uaq_scale_hf

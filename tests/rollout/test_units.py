@@ -99,7 +99,7 @@ def test_a_refused_request_is_no_engine_failure_to_restart():
 
     import ray
 
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)  # not a `ray start` head
 
     @ray.remote
     def refuse():

@@ -20,6 +20,23 @@ def test_gsm8k_jsonl_keeps_only_the_final_answer(tmp_path):
                               {"role": "user", "content": "Tom has 3 apples... Think step by step."})
 
 
+def test_null_answers_and_empty_prompts_are_bad_rows(tmp_path):
+    """A null answer would become the answer "None"; an empty prompt asks nothing."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": None}) + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:1: the answer \('answer'\) is null"):
+        load_examples(path)
+    path.write_text(json.dumps({"question": "q", "answer": " "}) + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:1: the answer \('answer'\) is empty"):
+        load_examples(path)
+    path.write_text(json.dumps({"question": "", "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:1: the prompt is empty"):
+        load_examples(path)
+    path.write_text(json.dumps({"question": [{"role": "user", "content": ""}], "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:1: every message of the prompt is empty"):
+        load_examples(path)
+
+
 def test_parquet_with_chat_prompts(tmp_path):
     path = tmp_path / "math.parquet"
     table = pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "Compute 1/2+1/4."}], "solution": "3/4"}])
