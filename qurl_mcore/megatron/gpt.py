@@ -1,10 +1,12 @@
-"""Megatron GPTModels for HF Llama (SmolLM2), Qwen2, Qwen3 and Qwen3-MoE configs.
+"""Megatron GPTModels for the HF configs of `qurl_mcore.models.ARCHITECTURES`.
 
-The mapping of architectural features (all four: RMSNorm, SwiGLU, RoPE, GQA, no linear biases):
-  qwen2      q/k/v biases               -> add_qkv_bias
-  qwen3(*)   RMSNorm on q and k per head -> qk_layernorm
-  qwen3_moe  softmax router, top-k, renormalised (norm_topk_prob) -> top-k of the logits, then softmax over
-             them (moe_router_pre_softmax=False): exp(l_i)/Σ_topk exp(l_j) = p_i/Σ_topk p_j, HF's formula
+The mapping of architectural features (all: RMSNorm, SwiGLU, RoPE, GQA, no linear biases), read from the
+config as its architecture table completes it (`Architecture.config`, `Architecture.features`):
+  q/k/v biases (qwen2)                   -> add_qkv_bias
+  RMSNorm on q and k per head (qwen3*)   -> qk_layernorm
+  MoE: softmax router, top-k, renormalised (norm_topk_prob; mixtral always) -> top-k of the logits, then
+             softmax over them (moe_router_pre_softmax=False): exp(l_i)/Σ_topk exp(l_j) = p_i/Σ_topk p_j, HF's
+             formula; not renormalised -> softmax over all experts, then top-k (moe_router_pre_softmax=True)
   tied word embeddings (SmolLM2)         -> share_embeddings_and_output_weights
 Parallel sizes are read from Megatron's initialised groups; sequence parallelism defaults to on when TP > 1
 (Megatron requires it for MoE with TP > 1).
@@ -21,6 +23,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from qurl_mcore.models.registry import architecture
+from qurl_mcore.models.slots import Shape
 from qurl_mcore.precision import train_spec
 
 from .spec import gpt_spec, te_fp8_available
@@ -50,10 +53,10 @@ def gpt_config(hf_config, **overrides: Any):
     hf = load_hf_config(hf_config)
     tp = ps.get_tensor_model_parallel_world_size()
     arch = architecture(hf)
-    have = arch.features(hf.to_dict())
-    moe = arch.moe
-    if moe and (getattr(hf, "mlp_only_layers", None) or hf.decoder_sparse_step != 1):
-        raise NotImplementedError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step > 1)")
+    c = arch.config(hf.to_dict())
+    have = arch.features(c)
+    if arch.moe and (c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1):
+        raise NotImplementedError(f"{arch.model_type} with dense layers (mlp_only_layers, decoder_sparse_step > 1)")
     kw: dict[str, Any] = dict(
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
@@ -87,12 +90,13 @@ def gpt_config(hf_config, **overrides: Any):
         masked_softmax_fusion=False,
         persist_layer_norm=False,
     )
-    if moe:
+    if arch.moe:
+        shape = Shape.of(c, have)
         kw.update(
-            num_moe_experts=hf.num_experts,
-            moe_router_topk=hf.num_experts_per_tok,
-            moe_ffn_hidden_size=hf.moe_intermediate_size,
-            moe_router_pre_softmax=not hf.norm_topk_prob,
+            num_moe_experts=shape.experts,
+            moe_router_topk=shape.topk,
+            moe_ffn_hidden_size=shape.moe_intermediate,
+            moe_router_pre_softmax=not c["norm_topk_prob"],
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,

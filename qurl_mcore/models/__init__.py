@@ -29,5 +29,5 @@ def resolve_model_path(path: str) -> Path:
     out = Path(path)
     if not (out / "config.json").is_file():
         raise FileNotFoundError(f"model.path {path}: no config.json there; give an HF checkpoint directory, "
-                                "'smollm2', or 'tiny-<llama|qwen2|qwen3|qwen3_moe>'")
+                                f"'smollm2', or 'tiny-<{'|'.join(ARCHITECTURES)}>'")
     return out

@@ -10,16 +10,26 @@ from .slots import Architecture, Slot
 
 _L, _H = MEGATRON_LAYER, HF_LAYER
 _E = _L + "mlp.experts.local_experts.{expert}."
-_HE = _H + "mlp.experts.{expert}."
 _HS = _H + "mlp.shared_expert."
 
-MOE = (
-    Slot(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), "replicated", "router",
-         lambda s: ((s.experts, s.hidden),), uaq=("router",)),
-    Slot(_E + "linear_fc1.weight", (_HE + "gate_proj.weight", _HE + "up_proj.weight"), "gate_up", "experts",
-         lambda s: ((s.moe_intermediate, s.hidden),) * 2, sglang=_H + "mlp.experts", uaq=("gate", "up")),
-    Slot(_E + "linear_fc2.weight", (_HE + "down_proj.weight",), "columns", "experts",
-         lambda s: ((s.hidden, s.moe_intermediate),), sglang=_H + "mlp.experts", uaq=("down",)),
+
+def routed(block: str, router: str, gate: str, up: str, down: str) -> tuple[Slot, ...]:
+    """The router and routed SwiGLU experts of a layer whose HF MoE block is `model.layers.{layer}.<block>`, its
+    router `<block>.<router>` and expert e's projections `<block>.experts.{e}.<gate|up|down>`; SGLang's FusedMoE of
+    the layer is `<block>.experts`."""
+    hm = _H + block + "."
+    he = hm + "experts.{expert}."
+    return (
+        Slot(_L + "mlp.router.weight", (hm + router + ".weight",), "replicated", "router",
+             lambda s: ((s.experts, s.hidden),), uaq=("router",)),
+        Slot(_E + "linear_fc1.weight", (he + gate + ".weight", he + up + ".weight"), "gate_up", "experts",
+             lambda s: ((s.moe_intermediate, s.hidden),) * 2, sglang=hm + "experts", uaq=("gate", "up")),
+        Slot(_E + "linear_fc2.weight", (he + down + ".weight",), "columns", "experts",
+             lambda s: ((s.hidden, s.moe_intermediate),), sglang=hm + "experts", uaq=("down",)),
+    )
+
+
+MOE = routed("mlp", "gate", "gate_proj", "up_proj", "down_proj") + (
     Slot(_L + "mlp.shared_experts.linear_fc1.weight", (_HS + "gate_proj.weight", _HS + "up_proj.weight"), "gate_up",
          "shared_experts", lambda s: ((s.shared_intermediate, s.hidden),) * 2, sglang=_HS + "gate_up_proj",
          uaq=("gate", "up"), needs="shared_experts"),

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from .llama import LLAMA, QWEN2, QWEN3
+from .mixtral import MIXTRAL
 from .qwen3_moe import QWEN3_MOE
 from .slots import Architecture, Shape, Slot, config_experts, pattern
 
 #: HF model_type -> its table
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (LLAMA, QWEN2, QWEN3, QWEN3_MOE)}
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL)}
 
 
 def config_dict(hf_config: Any) -> dict[str, Any]:
@@ -53,7 +54,8 @@ def features(hf_config: Any) -> frozenset[str]:
 
 def shape(hf_config: Any) -> Shape:
     c = config_dict(hf_config)
-    return Shape.of(c, architecture(c).features(c))
+    arch = architecture(c)
+    return Shape.of(arch.config(c), arch.features(c))
 
 
 def num_experts(hf_config: Any) -> int:

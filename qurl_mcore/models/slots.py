@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 LAYOUTS = ("replicated", "rows", "columns", "qkv", "gate_up")
@@ -133,13 +133,23 @@ class Architecture:
     """A model type's slots (in export order: embedding, per-layer slots, final norm, output layer) and the
     features of its configs. `always` are features every config of the type has; the others are read from the
     config: `tied`/`untied` (tie_word_embeddings), `qkv_bias` (attention_bias), `shared_experts`
-    (shared_expert_intermediate_size). `tiny` are the transformers config arguments of `tiny-<model_type>`,
-    the 2-layer random model tests use (besides the common ones of `qurl_mcore.models.tiny`)."""
+    (shared_expert_intermediate_size). `implied` are config fields this type's config.json leaves out and its
+    model code takes as given (Mixtral always renormalises the top-k: norm_topk_prob True); `aliases` name the
+    field that holds another's value in this type's configs (Mixtral's experts are `intermediate_size` wide:
+    moe_intermediate_size -> intermediate_size). `tiny` are the transformers config arguments of
+    `tiny-<model_type>`, the 2-layer random model tests use (besides the common ones of
+    `qurl_mcore.models.tiny`)."""
 
     model_type: str
     slots: tuple[Slot, ...]
     always: frozenset[str] = frozenset()
     tiny: Mapping[str, Any] | None = None
+    implied: Mapping[str, Any] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    def config(self, hf: Mapping[str, Any]) -> dict[str, Any]:
+        """`hf` (a config.json as a dict) with the fields this type implies or names otherwise filled in."""
+        return {**self.implied, **{k: hf[v] for k, v in self.aliases.items() if v in hf}, **hf}
 
     def features(self, hf: Mapping[str, Any]) -> frozenset[str]:
         read = {"tied" if hf.get("tie_word_embeddings", False) else "untied"}
