@@ -7,6 +7,8 @@ config as its architecture table completes it (`Architecture.config`, `Architect
   MoE: softmax router, top-k, renormalised (norm_topk_prob; mixtral always) -> top-k of the logits, then
              softmax over them (moe_router_pre_softmax=False): exp(l_i)/Σ_topk exp(l_j) = p_i/Σ_topk p_j, HF's
              formula; not renormalised -> softmax over all experts, then top-k (moe_router_pre_softmax=True)
+  shared experts (shared_expert_intermediate_size) -> moe_shared_expert_intermediate_size, and Qwen2-MoE's
+             sigmoid gate on their output -> moe_shared_expert_gate
   tied word embeddings (SmolLM2)         -> share_embeddings_and_output_weights
 Parallel sizes are read from Megatron's initialised groups; sequence parallelism defaults to on when TP > 1
 (Megatron requires it for MoE with TP > 1).
@@ -101,6 +103,9 @@ def gpt_config(hf_config, **overrides: Any):
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
         )
+        if "shared_experts" in have:  # output + sigmoid(w·x)·shared(x) with the gate, output + shared(x) without
+            kw.update(moe_shared_expert_intermediate_size=shape.shared_intermediate,
+                      moe_shared_expert_gate="shared_expert_gate" in have)
     kw.update(overrides)
     return TransformerConfig(**kw)
 

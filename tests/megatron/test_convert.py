@@ -12,7 +12,7 @@ from qurl_mcore.models.tiny import tiny_checkpoint
 
 from .helpers import hf_logits, random_ids
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"]
 
 
 def _checkpoint(name):
@@ -37,7 +37,7 @@ def test_hf_to_megatron_to_hf_round_trip_is_exact(arch, megatron_ws1):
     assert all(torch.equal(exported[k], original[k]) for k in original)
 
 
-@pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe", "qwen2", "llama", "mixtral"])
+@pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe", "qwen2", "llama", "mixtral", "qwen2_moe"])
 def test_megatron_logits_equal_hf_transformers(arch, megatron_ws1):
     path = _checkpoint(arch)
     model = build_gpt(path)
@@ -125,7 +125,7 @@ def test_loading_refuses_a_checkpoint_that_does_not_fit(megatron_ws1, tmp_path):
         load_hf_weights(model, _copy_with(path, tmp_path / "b", state))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "mixtral", "qwen2_moe"])
 def test_a_rank_reads_only_its_slices_and_gets_its_shard(arch):
     """Reading a rank's rows/columns/query groups from the file equals cutting its shard from the whole."""
     from qurl_mcore.megatron.convert import _Checkpoint, _read_local

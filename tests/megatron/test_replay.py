@@ -13,7 +13,7 @@ from .helpers import random_ids
 B, S = 2, 12
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
 def moe(request, megatron_ws1):
     path = tiny_checkpoint(request.param)
     model = build_gpt(path)

@@ -50,8 +50,12 @@ def test_registered_through_the_entry_point():
 SGLANG_MODULES = {
     "qwen3_moe": {"self_attn.qkv_proj": "attention", "self_attn.o_proj": "attention", "mlp.gate": None,
                   "mlp.experts": "experts"},
+    # a quantized Mixtral is QuantMixtralForCausalLM (models/mixtral_quant.py): a linear per expert projection
     "mixtral": {"self_attn.qkv_proj": "attention", "self_attn.o_proj": "attention", "block_sparse_moe.gate": None,
-                "block_sparse_moe.experts": "experts"},
+                **{f"block_sparse_moe.experts.{e}.w{i}": "experts" for e in range(4) for i in (1, 2, 3)}},
+    "qwen2_moe": {"self_attn.qkv_proj": "attention", "self_attn.o_proj": "attention", "mlp.gate": None,
+                  "mlp.experts": "experts", "mlp.shared_expert.gate_up_proj": "shared_experts",
+                  "mlp.shared_expert.down_proj": "shared_experts", "mlp.shared_expert_gate": None},
 }
 
 
