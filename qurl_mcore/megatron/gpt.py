@@ -10,6 +10,7 @@ config as its architecture table completes it (`Architecture.config`, `Architect
   shared experts (shared_expert_intermediate_size) -> moe_shared_expert_intermediate_size, and Qwen2-MoE's
              sigmoid gate on their output -> moe_shared_expert_gate
   tied word embeddings (SmolLM2)         -> share_embeddings_and_output_weights
+  Llama 3's scaled RoPE (rope_type llama3) -> rope_scaling, rope_scaling_factor (`rope_scaling`)
 Parallel sizes are read from Megatron's initialised groups; sequence parallelism defaults to on when TP > 1
 (Megatron requires it for MoE with TP > 1).
 """
@@ -41,12 +42,36 @@ def load_hf_config(hf: Any):
     return hf
 
 
+def _rope_parameters(hf_config) -> dict[str, Any]:
+    return getattr(hf_config, "rope_parameters", None) or {}  # transformers 5 keeps RoPE's fields here
+
+
 def rope_theta(hf_config) -> float:
-    """RoPE base θ (transformers 5 keeps it in rope_parameters); scaled RoPE variants are refused."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") != "default":
-        raise NotImplementedError(f"RoPE type {params['rope_type']!r} is not supported (only the default)")
-    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    """RoPE base θ."""
+    return float(_rope_parameters(hf_config).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+#: the parameters of Llama 3's RoPE frequency scaling that megatron-core 0.16.1 fixes (RotaryEmbedding
+#: _apply_scaling's defaults; GPTModel passes only the factor): Llama 3.1's and 3.2's values
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_scaling(hf_config) -> dict[str, Any]:
+    """GPTModel's RoPE-scaling arguments for an HF config: none for plain RoPE; for Llama 3's (rope_type "llama3":
+    frequencies with wavelength beyond original_max/low_freq_factor divided by `factor`, those below
+    original_max/high_freq_factor kept, a smooth interpolation between) rope_scaling with its factor. Other
+    RoPE types, and llama3 parameters Megatron-Core fixes otherwise (`LLAMA3_FIXED`), are refused."""
+    params = _rope_parameters(hf_config)
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        return {}
+    if kind != "llama3":
+        raise NotImplementedError(f"RoPE type {kind!r} is not supported; Megatron builds 'default' and 'llama3'")
+    given = {k: params.get(k) for k in LLAMA3_FIXED}
+    if given != LLAMA3_FIXED:
+        raise NotImplementedError(f"llama3 RoPE with {given}: Megatron-Core fixes {LLAMA3_FIXED} and takes only "
+                                  "the factor; use a checkpoint with those values")
+    return {"rope_scaling": True, "rope_scaling_factor": float(params["factor"])}
 
 
 def gpt_config(hf_config, **overrides: Any):
@@ -147,4 +172,5 @@ def build_gpt(
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
         position_embedding_type="rope",
         rotary_base=rope_theta(hf),
+        **rope_scaling(hf),
     )

@@ -10,7 +10,7 @@ from qurl_mcore.models.registry import features, slots
 from qurl_mcore.models.smollm2 import hf_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint
 
-from .helpers import hf_logits, random_ids
+from .helpers import hf_logits, hf_model, random_ids
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"]
 
@@ -48,6 +48,42 @@ def test_megatron_logits_equal_hf_transformers(arch, megatron_ws1):
     print(f"{arch}: max |logits - HF| = {diff:.3g} (max |logit| {ref.abs().max().item():.3g})")
     assert diff <= 2e-5 * ref.abs().max().item(), diff  # fp32 rounding over the model's depth
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _with_rope(tmp_path, rope: dict):
+    """tiny-llama with RoPE parameters `rope` (same weights)."""
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "llama3")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    return path
+
+
+def test_llama3_rope_scaling_equals_hf_transformers(megatron_ws1, tmp_path):
+    path = _with_rope(tmp_path, LLAMA3_ROPE)
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    hf_inv_freq = hf_model(path).model.rotary_emb.inv_freq
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32)
+    # head dim 32: wavelengths 2π..~3.5e4, so some are divided by 8, some interpolated, some kept
+    assert (hf_inv_freq < plain * 0.99).any() and (hf_inv_freq == plain).any()
+    assert torch.allclose(model.rotary_pos_emb.inv_freq.cpu(), hf_inv_freq, rtol=1e-6, atol=0)
+    ids = random_ids(2, 24)
+    ours, ref = _megatron_logits(model, ids), hf_logits(path, ids)
+    assert (ours - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("rope,error", [({**LLAMA3_ROPE, "low_freq_factor": 2.0}, "fixes"),
+                                        ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}, "'yarn'")])
+def test_rope_megatron_cannot_express_is_refused(megatron_ws1, tmp_path, rope, error):
+    with pytest.raises(NotImplementedError, match=error):
+        build_gpt(_with_rope(tmp_path, rope))
 
 
 def test_export_buckets_are_bounded_and_uaq_scaled_on_request(megatron_ws1):
