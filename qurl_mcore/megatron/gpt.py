@@ -84,6 +84,9 @@ def gpt_config(hf_config, **overrides: Any):
     have = arch.features(c)
     if arch.moe and (c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1):
         raise NotImplementedError(f"{arch.model_type} with dense layers (mlp_only_layers, decoder_sparse_step > 1)")
+    if c.get("sliding_window") and c.get("use_sliding_window", True):  # Megatron would attend to everything
+        raise NotImplementedError(f"sliding-window attention (sliding_window {c['sliding_window']}) is not "
+                                  "supported; use a checkpoint whose config has sliding_window null")
     kw: dict[str, Any] = dict(
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,

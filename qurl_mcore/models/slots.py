@@ -147,9 +147,9 @@ class Architecture:
     (shared_expert_intermediate_size). `implied` are config fields this type's config.json leaves out and its
     model code takes as given (Mixtral always renormalises the top-k: norm_topk_prob True); `aliases` name the
     field that holds another's value in this type's configs (Mixtral's experts are `intermediate_size` wide:
-    moe_intermediate_size -> intermediate_size; Qwen2-MoE's q/k/v biases are `qkv_bias`). `tiny` are the transformers config arguments of
-    `tiny-<model_type>`, the 2-layer random model tests use (besides the common ones of
-    `qurl_mcore.models.tiny`)."""
+    moe_intermediate_size -> intermediate_size; Qwen2-MoE's q/k/v biases are `qkv_bias`). `tiny` are the
+    transformers config arguments of `tiny-<model_type>`, the 2-layer random model tests use (besides the
+    common ones of `qurl_mcore.models.tiny`)."""
 
     model_type: str
     slots: tuple[Slot, ...]

@@ -86,6 +86,15 @@ def test_rope_megatron_cannot_express_is_refused(megatron_ws1, tmp_path, rope, e
         build_gpt(_with_rope(tmp_path, rope))
 
 
+def test_sliding_window_attention_is_refused(megatron_ws1):
+    from qurl_mcore.megatron.gpt import gpt_config
+
+    config = AutoConfig.from_pretrained(tiny_checkpoint("mixtral"))
+    config.sliding_window = 4096  # Mistral's; Mixtral-8x7B's is null
+    with pytest.raises(NotImplementedError, match="sliding_window 4096"):
+        gpt_config(config)
+
+
 def test_export_buckets_are_bounded_and_uaq_scaled_on_request(megatron_ws1):
     from qurl_mcore.uaq import uaq_scale_hf
 
