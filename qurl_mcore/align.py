@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from .models import ARCHITECTURES, resolve_model_path
+from .models.registry import engine_reports_routing
 from .precision import ALIGNMENT_ROWS, FP4_FORMATS, PRECISIONS, get_precision, select
 
 # torch, SGLang, transformers and Megatron-Core (and the parts of qurl_mcore that import them: rollout, rl,
@@ -103,7 +104,7 @@ def is_moe(model_path: str) -> bool:
     model_type = json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"{model_path} is a {model_type!r} checkpoint; use one of {list(ARCHITECTURES)}")
-    return model_type == "qwen3_moe"
+    return ARCHITECTURES[model_type].moe
 
 
 def prompt_ids(model_path: str, n: int) -> list[list[int]]:
@@ -277,6 +278,11 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
     names = check_precisions(precisions if precisions is not None or moe else ALIGNMENT_ROWS)
     if not moe and any(split_row(name)[1] for name in names):
         raise ValueError(f"{model_path} is a dense model: routing replay ({REPLAY}) needs an MoE; drop those rows")
+    unreported = [n for n in names if split_row(n)[1] and
+                  not engine_reports_routing(model_path, PRECISIONS[split_row(n)[0]].rollout is not None)]
+    if unreported:
+        raise ValueError(f"SGLang does not report the routing of a quantized engine of {model_path}; drop the rows "
+                         f"{unreported}")
     if fmt not in FP4_FORMATS:
         raise ValueError(f"fmt {fmt!r} is not an FP4 format; use one of {list(FP4_FORMATS)}")
     sides = {name: _row_format(split_row(name)[0], scope, fmt) for name in names}

@@ -25,7 +25,7 @@ from .config import Config
 from .heldout import eval_examples, greedy_repeats
 from .models import ARCHITECTURES, resolve_model_path
 from .placement import placement_of, unplaceable
-from .models.registry import hf_linears, num_experts
+from .models.registry import engine_reports_routing, hf_linears, num_experts
 from .precision import METHODS, PRECISIONS, get_precision, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
 from .sizing import check_fits, local_gpu, model_config
@@ -283,6 +283,11 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
     if t.routing_replay != "none" and not experts:
         out.problems.append(f"train.routing_replay: {t.routing_replay} replays MoE routing; this model is dense, "
                             "use none")
+    if t.routing_replay != "none" and experts and \
+            not engine_reports_routing(hf, cfg.resolved_precision()[0].rollout is not None):
+        out.problems.append(f"train.routing_replay: SGLang does not report the routing of a quantized "
+                            f"{hf.get('model_type')} engine; use routing_replay none, or a precision whose rollout "
+                            "is unquantized (bf16)")
     if t.routing_replay != "none" and t.recompute == "full" and t.pp_size > 1:
         # the pipeline schedule recomputes a micro-batch after later ones set their replay targets
         out.problems.append("train.routing_replay: r3 with train.recompute full and train.pp_size > 1 is not "

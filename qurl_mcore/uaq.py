@@ -7,7 +7,8 @@ not scale with the gradient, it is s). The foldings used, all exact in real arit
 
   input_layernorm γ·s  and  q, k, v rows of linear_qkv / s   (RMSNorm(x)·γ is linear in γ)
   v rows (and v bias) · s  and  linear_proj / s               (attention output is linear in V)
-  pre_mlp_layernorm γ·s and  gate, up rows of fc1 / s, router / s
+  pre_mlp_layernorm γ·s and  gate, up rows of fc1 / s, router / s, shared-expert gate / s (Qwen2-MoE's
+                             sigmoid(w·x) reads the same x as the router: role "router")
   up rows · s           and  fc2 / s                          (silu(gate)·up is linear in up)
 
 Net exponent of s per tensor (`UAQ_EXPONENTS`): the v and up rows come back to their original values; the q/k

@@ -39,7 +39,8 @@ def _hf_numel(path) -> int:
     return sum(p.numel() for p in model.parameters())  # a tied embedding is one Parameter
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3_moe", "smollm2"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3_moe", "tiny-mixtral",
+                                   "tiny-qwen2_moe", "smollm2"])
 def test_parameter_count_equals_the_hf_model(model):
     hf, source = model_config(model)
     s = shape(hf)
@@ -53,7 +54,8 @@ def test_parameter_count_equals_the_hf_model(model):
 #: the parameter totals on the models' Hugging Face pages (rounded as the pages print them)
 PUBLISHED_B = {"Qwen2.5-0.5B": 0.494, "DeepSeek-R1-Distill-Qwen-1.5B": 1.78, "Qwen2.5-7B": 7.62,
                "Qwen2.5-Math-7B": 7.62, "Qwen2.5-32B": 32.8, "Qwen3-8B": 8.19, "Qwen3-30B-A3B": 30.5,
-               "Qwen3-235B-A22B": 235.0, "Llama-3.1-8B": 8.03, "Llama-3.1-70B": 70.6}
+               "Qwen3-235B-A22B": 235.0, "Llama-3.1-8B": 8.03, "Llama-3.1-70B": 70.6,
+               "Mixtral-8x7B": 46.7, "Qwen1.5-MoE-A2.7B": 14.3}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_B))

@@ -1,11 +1,16 @@
-"""Megatron GPTModels for HF Llama (SmolLM2), Qwen2, Qwen3 and Qwen3-MoE configs.
+"""Megatron GPTModels for the HF configs of `qurl_mcore.models.ARCHITECTURES`.
 
-The mapping of architectural features (all four: RMSNorm, SwiGLU, RoPE, GQA, no linear biases):
-  qwen2      q/k/v biases               -> add_qkv_bias
-  qwen3(*)   RMSNorm on q and k per head -> qk_layernorm
-  qwen3_moe  softmax router, top-k, renormalised (norm_topk_prob) -> top-k of the logits, then softmax over
-             them (moe_router_pre_softmax=False): exp(l_i)/Σ_topk exp(l_j) = p_i/Σ_topk p_j, HF's formula
+The mapping of architectural features (all: RMSNorm, SwiGLU, RoPE, GQA, no linear biases), read from the
+config as its architecture table completes it (`Architecture.config`, `Architecture.features`):
+  q/k/v biases (qwen2)                   -> add_qkv_bias
+  RMSNorm on q and k per head (qwen3*)   -> qk_layernorm
+  MoE: softmax router, top-k, renormalised (norm_topk_prob; mixtral always) -> top-k of the logits, then
+             softmax over them (moe_router_pre_softmax=False): exp(l_i)/Σ_topk exp(l_j) = p_i/Σ_topk p_j, HF's
+             formula; not renormalised -> softmax over all experts, then top-k (moe_router_pre_softmax=True)
+  shared experts (shared_expert_intermediate_size) -> moe_shared_expert_intermediate_size, and Qwen2-MoE's
+             sigmoid gate on their output -> moe_shared_expert_gate
   tied word embeddings (SmolLM2)         -> share_embeddings_and_output_weights
+  Llama 3's scaled RoPE (rope_type llama3) -> rope_scaling, rope_scaling_factor (`rope_scaling`)
 Parallel sizes are read from Megatron's initialised groups; sequence parallelism defaults to on when TP > 1
 (Megatron requires it for MoE with TP > 1).
 """
@@ -21,6 +26,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from qurl_mcore.models.registry import architecture
+from qurl_mcore.models.slots import Shape
 from qurl_mcore.recipe import Recipe
 
 from .spec import as_recipe, gpt_spec
@@ -36,12 +42,36 @@ def load_hf_config(hf: Any):
     return hf
 
 
+def _rope_parameters(hf_config) -> dict[str, Any]:
+    return getattr(hf_config, "rope_parameters", None) or {}  # transformers 5 keeps RoPE's fields here
+
+
 def rope_theta(hf_config) -> float:
-    """RoPE base θ (transformers 5 keeps it in rope_parameters); scaled RoPE variants are refused."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") != "default":
-        raise NotImplementedError(f"RoPE type {params['rope_type']!r} is not supported (only the default)")
-    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    """RoPE base θ."""
+    return float(_rope_parameters(hf_config).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+#: the parameters of Llama 3's RoPE frequency scaling that megatron-core 0.16.1 fixes (RotaryEmbedding
+#: _apply_scaling's defaults; GPTModel passes only the factor): Llama 3.1's and 3.2's values
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_scaling(hf_config) -> dict[str, Any]:
+    """GPTModel's RoPE-scaling arguments for an HF config: none for plain RoPE; for Llama 3's (rope_type "llama3":
+    frequencies with wavelength beyond original_max/low_freq_factor divided by `factor`, those below
+    original_max/high_freq_factor kept, a smooth interpolation between) rope_scaling with its factor. Other
+    RoPE types, and llama3 parameters Megatron-Core fixes otherwise (`LLAMA3_FIXED`), are refused."""
+    params = _rope_parameters(hf_config)
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        return {}
+    if kind != "llama3":
+        raise NotImplementedError(f"RoPE type {kind!r} is not supported; Megatron builds 'default' and 'llama3'")
+    given = {k: params.get(k) for k in LLAMA3_FIXED}
+    if given != LLAMA3_FIXED:
+        raise NotImplementedError(f"llama3 RoPE with {given}: Megatron-Core fixes {LLAMA3_FIXED} and takes only "
+                                  "the factor; use a checkpoint with those values")
+    return {"rope_scaling": True, "rope_scaling_factor": float(params["factor"])}
 
 
 def gpt_config(hf_config, **overrides: Any):
@@ -50,10 +80,13 @@ def gpt_config(hf_config, **overrides: Any):
     hf = load_hf_config(hf_config)
     tp = ps.get_tensor_model_parallel_world_size()
     arch = architecture(hf)
-    have = arch.features(hf.to_dict())
-    moe = arch.moe
-    if moe and (getattr(hf, "mlp_only_layers", None) or hf.decoder_sparse_step != 1):
-        raise NotImplementedError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step > 1)")
+    c = arch.config(hf.to_dict())
+    have = arch.features(c)
+    if arch.moe and (c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1):
+        raise NotImplementedError(f"{arch.model_type} with dense layers (mlp_only_layers, decoder_sparse_step > 1)")
+    if c.get("sliding_window") and c.get("use_sliding_window", True):  # Megatron would attend to everything
+        raise NotImplementedError(f"sliding-window attention (sliding_window {c['sliding_window']}) is not "
+                                  "supported; use a checkpoint whose config has sliding_window null")
     kw: dict[str, Any] = dict(
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
@@ -87,16 +120,20 @@ def gpt_config(hf_config, **overrides: Any):
         masked_softmax_fusion=False,
         persist_layer_norm=False,
     )
-    if moe:
+    if arch.moe:
+        shape = Shape.of(c, have)
         kw.update(
-            num_moe_experts=hf.num_experts,
-            moe_router_topk=hf.num_experts_per_tok,
-            moe_ffn_hidden_size=hf.moe_intermediate_size,
-            moe_router_pre_softmax=not hf.norm_topk_prob,
+            num_moe_experts=shape.experts,
+            moe_router_topk=shape.topk,
+            moe_ffn_hidden_size=shape.moe_intermediate,
+            moe_router_pre_softmax=not c["norm_topk_prob"],
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
         )
+        if "shared_experts" in have:  # output + sigmoid(w·x)·shared(x) with the gate, output + shared(x) without
+            kw.update(moe_shared_expert_intermediate_size=shape.shared_intermediate,
+                      moe_shared_expert_gate="shared_expert_gate" in have)
     kw.update(overrides)
     return TransformerConfig(**kw)
 
@@ -137,4 +174,5 @@ def build_gpt(
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
         position_embedding_type="rope",
         rotary_base=rope_theta(hf),
+        **rope_scaling(hf),
     )

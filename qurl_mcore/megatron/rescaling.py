@@ -39,7 +39,7 @@ def _scale(t: torch.Tensor, slot: Slot, config, s: float) -> None:
 def apply_uaq(model: torch.nn.Module, s: float = 1.5) -> list[str]:
     """Rescale `model` in place so that it computes the same function with every quantized linear's weight
     divided by s where exact (see `qurl_mcore.uaq`); returns the names of the parameters changed.
-    Needs SwiGLU MLPs and no bias on linear_proj/fc1/fc2 (Llama, Qwen2, Qwen3, Qwen3-MoE)."""
+    Needs SwiGLU MLPs and no bias on linear_proj/fc1/fc2 (every architecture of `qurl_mcore.models`)."""
     config = model.config
     if not config.gated_linear_unit or config.add_bias_linear:
         raise NotImplementedError("UAQ here needs a gated MLP (SwiGLU) and add_bias_linear=False")

@@ -30,5 +30,5 @@ def resolve_model_path(path: str) -> Path:
     if not (out / "config.json").is_file():
         what = "no config.json there" if out.exists() else "no such directory"
         raise FileNotFoundError(f"{path}: {what}; give an HF checkpoint directory, 'smollm2', or "
-                                "'tiny-<llama|qwen2|qwen3|qwen3_moe>'")
+                                f"'tiny-<{'|'.join(ARCHITECTURES)}>'")
     return out

@@ -2,9 +2,10 @@
 their tables (`slots.py` says what a table holds). Adding an architecture is one table file and one entry in
 `ARCHITECTURES`.
 
-Lookups by config: `architecture`, `slots`, `features`, `shape`, `num_experts`, `hf_linears`. Lookups by name alone
-(a Megatron parameter, an HF tensor, an SGLang module), across every registered table: `megatron_slot`,
-`hf_uaq_role`, `sglang_linears`; a name two tables would read differently is refused when the index is built.
+Lookups by config: `architecture`, `slots`, `features`, `shape`, `num_experts`, `hf_linears`,
+`engine_reports_routing`. Lookups by name alone (a Megatron parameter, an HF tensor, an SGLang module), across
+every registered table: `megatron_slot`, `hf_uaq_role`, `sglang_linears`; a name two tables would read
+differently is refused when the index is built.
 """
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from .llama import LLAMA, QWEN2, QWEN3
-from .qwen3_moe import QWEN3_MOE
+from .mixtral import MIXTRAL
+from .qwen3_moe import QWEN2_MOE, QWEN3_MOE
 from .slots import Architecture, Shape, Slot, config_experts, pattern
 
 #: HF model_type -> its table
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (LLAMA, QWEN2, QWEN3, QWEN3_MOE)}
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL,
+                                                                      QWEN2_MOE)}
 
 
 def config_dict(hf_config: Any) -> dict[str, Any]:
@@ -53,12 +56,21 @@ def features(hf_config: Any) -> frozenset[str]:
 
 def shape(hf_config: Any) -> Shape:
     c = config_dict(hf_config)
-    return Shape.of(c, architecture(c).features(c))
+    arch = architecture(c)
+    return Shape.of(arch.config(c), arch.features(c))
 
 
 def num_experts(hf_config: Any) -> int:
     """Routed experts of a model (0: dense)."""
     return config_experts(config_dict(hf_config))
+
+
+def engine_reports_routing(hf_config: Any, quantized: bool) -> bool:
+    """Whether SGLang reports an engine's routed experts (`return_routed_experts`, for R3): its capture sits in
+    the FusedMoE models' top-k, which a quantized engine skips where the table gives each expert's projections an
+    SGLang linear of their own (Mixtral: QuantMixtralForCausalLM routes with torch.topk, and the capture stays
+    zeros)."""
+    return not (quantized and any(s.per_expert and isinstance(s.sglang, tuple) for s in slots(hf_config)))
 
 
 def hf_linears(hf_config: Any) -> dict[str, str]:
@@ -82,19 +94,19 @@ def _index(archs: tuple[Architecture, ...]) -> dict[str, list[tuple[re.Pattern, 
     or UAQ roles; an HF or SGLang name means one thing in every table."""
     megatron: dict[str, Slot] = {}
     hf: dict[str, str | None] = {}
-    sglang: dict[str, tuple[Slot, ...]] = {}
+    sglang: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {}
     for arch in archs:
-        held: dict[str, tuple[Slot, ...]] = {}
+        held: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {}  # module -> (group, HF tensors) of its slots
         for slot in arch.slots:
             if not slot.exported:
                 continue
             _agree(megatron, slot.megatron, slot, arch, lambda s: (s.group, s.layout, s.uaq))
             for template, role in zip(slot.hf, slot.uaq or (None,) * len(slot.hf)):
                 _agree(hf, template, role, arch)
-            if slot.sglang:
-                held[slot.sglang] = held.get(slot.sglang, ()) + (slot,)
+            for module, tensors in slot.sglang_modules():
+                held[module] = held.get(module, ()) + ((slot.group, tensors),)
         for template, these in held.items():
-            _agree(sglang, template, these, arch, lambda ss: [(s.group, s.hf) for s in ss])
+            _agree(sglang, template, these, arch)
     # search (not match): a Megatron name may carry a wrapper's prefix ("module."), an SGLang one its model's
     return {"megatron": [(re.compile(r"(?:^|\.)" + pattern(t).pattern), s) for t, s in megatron.items()],
             "hf": [(pattern(t), r) for t, r in hf.items() if r is not None],
@@ -128,13 +140,16 @@ def hf_uaq_role(name: str) -> str | None:
 
 def sglang_linears(prefix: str, num_experts: int = 0) -> tuple[str, list[str]] | None:
     """(group, HF module names without `.weight`) of the SGLang module at `prefix` that a scope can quantize
-    (a FusedMoE: every routed expert's, `num_experts` of them); None for modules no scope quantizes."""
+    (a FusedMoE: every routed expert's, `num_experts` of them; one expert's linear: that expert's); None for
+    modules no scope quantizes."""
     found = _lookup("sglang", prefix)
     if found is None:
         return None
     m, held = found
     base = prefix[:m.start() + (m.group(0).startswith("."))]  # what the model puts before "model.layers..."
-    layer = int(m["layer"])
+    layer, group = int(m["layer"]), held[0][0]
+    fused = "expert" not in m.groupdict() and "{expert}" in held[0][1][0]
+    experts = range(num_experts) if fused else [int(m["expert"]) if "expert" in m.groupdict() else None]
     names = [base + t.format(layer=layer, expert=e).removesuffix(".weight")
-             for e in (range(num_experts) if held[0].per_expert else [None]) for s in held for t in s.hf]
-    return held[0].group, names
+             for e in experts for _, tensors in held for t in tensors]
+    return group, names

@@ -18,7 +18,8 @@ to know about it:
              groups a precision's scope can quantize are `LINEAR_GROUPS`
   shapes     the HF tensors' shapes from the config's `Shape` (what `qurl plan` counts)
   sglang     the SGLang module that holds these HF tensors (SGLang packs q/k/v and gate/up as Megatron does),
-             for linears a scope can quantize; a routed expert's is the layer's FusedMoE
+             for linears a scope can quantize; a routed expert's is the layer's FusedMoE; or one module per HF
+             tensor (a tuple), where SGLang builds a linear of each (Mixtral's experts under a quantization)
   uaq        the UAQ role of each HF tensor (`qurl_mcore.uaq.UAQ_EXPONENTS`), None for tensors UAQ leaves alone
   needs      the config feature this slot exists under ("" = always; see `Architecture.features`)
   exported   False for a copy of a tensor another slot exports (a tied output layer under pipeline stages)
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 LAYOUTS = ("replicated", "rows", "columns", "qkv", "gate_up")
@@ -95,7 +96,7 @@ class Slot:
     layout: str
     group: str
     shapes: Callable[[Shape], tuple[tuple[int, ...], ...]]
-    sglang: str | None = None
+    sglang: str | tuple[str, ...] | None = None
     uaq: tuple[str | None, ...] = ()
     needs: str = ""
     exported: bool = True
@@ -107,6 +108,8 @@ class Slot:
             raise ValueError(f"{self.megatron}: unknown group {self.group!r}; use one of {list(GROUPS)}")
         if self.uaq and len(self.uaq) != len(self.hf):
             raise ValueError(f"{self.megatron}: {len(self.uaq)} UAQ roles for {len(self.hf)} HF tensors")
+        if isinstance(self.sglang, tuple) and len(self.sglang) != len(self.hf):
+            raise ValueError(f"{self.megatron}: {len(self.sglang)} SGLang modules for {len(self.hf)} HF tensors")
 
     @property
     def per_layer(self) -> bool:
@@ -115,6 +118,14 @@ class Slot:
     @property
     def per_expert(self) -> bool:
         return "{expert}" in self.megatron
+
+    def sglang_modules(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """(SGLang module, the HF tensors it holds) of this slot: one module for all of them, or one each."""
+        if self.sglang is None:
+            return ()
+        if isinstance(self.sglang, str):
+            return ((self.sglang, self.hf),)
+        return tuple((module, (t,)) for module, t in zip(self.sglang, self.hf))
 
     @property
     def quantizable(self) -> bool:
@@ -133,15 +144,26 @@ class Architecture:
     """A model type's slots (in export order: embedding, per-layer slots, final norm, output layer) and the
     features of its configs. `always` are features every config of the type has; the others are read from the
     config: `tied`/`untied` (tie_word_embeddings), `qkv_bias` (attention_bias), `shared_experts`
-    (shared_expert_intermediate_size). `tiny` are the transformers config arguments of `tiny-<model_type>`,
-    the 2-layer random model tests use (besides the common ones of `qurl_mcore.models.tiny`)."""
+    (shared_expert_intermediate_size). `implied` are config fields this type's config.json leaves out and its
+    model code takes as given (Mixtral always renormalises the top-k: norm_topk_prob True); `aliases` name the
+    field that holds another's value in this type's configs (Mixtral's experts are `intermediate_size` wide:
+    moe_intermediate_size -> intermediate_size; Qwen2-MoE's q/k/v biases are `qkv_bias`). `tiny` are the
+    transformers config arguments of `tiny-<model_type>`, the 2-layer random model tests use (besides the
+    common ones of `qurl_mcore.models.tiny`)."""
 
     model_type: str
     slots: tuple[Slot, ...]
     always: frozenset[str] = frozenset()
     tiny: Mapping[str, Any] | None = None
+    implied: Mapping[str, Any] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    def config(self, hf: Mapping[str, Any]) -> dict[str, Any]:
+        """`hf` (a config.json as a dict) with the fields this type implies or names otherwise filled in."""
+        return {**self.implied, **{k: hf[v] for k, v in self.aliases.items() if v in hf}, **hf}
 
     def features(self, hf: Mapping[str, Any]) -> frozenset[str]:
+        hf = self.config(hf)
         read = {"tied" if hf.get("tie_word_embeddings", False) else "untied"}
         if hf.get("attention_bias", False):
             read.add("qkv_bias")

@@ -1,5 +1,6 @@
-"""Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE) with SmolLM2's real tokenizer, for tests that
-need a specific architecture but not trained weights. Deterministic for a seed; cached like the real model."""
+"""Tiny random HF checkpoints (every architecture of `ARCHITECTURES` with `tiny` arguments) with SmolLM2's real
+tokenizer, for tests that need a specific architecture but not trained weights. Deterministic for a seed; cached
+like the real model."""
 from __future__ import annotations
 
 import hashlib
@@ -25,7 +26,7 @@ def _config(arch: str):
 
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; use one of {list(ARCHS)}")
-    return AutoConfig.for_model(arch, **_COMMON, **ARCHITECTURES[arch].tiny)
+    return AutoConfig.for_model(arch, **{**_COMMON, **ARCHITECTURES[arch].tiny})
 
 
 def tiny_checkpoint(arch: str, seed: int = 0, tokenizer: bool = True) -> Path:

@@ -214,6 +214,21 @@ def test_moe_loop_with_fp4_rc_on_both_sides_and_routing_replay(tmp_path):
         assert r["mismatch/topk_match"] == pytest.approx(sum(layers) / 2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,uaq,replay", [("bf16", "false", "r3"), ("int8", "true", "none")])
+def test_mixtral_loop(tmp_path, precision, uaq, replay):
+    """Two steps on tiny-mixtral: unquantized, SGLang's FusedMoE Mixtral reports its routing and the trainer
+    replays it; quantized (with UAQ), SGLang's QuantMixtralForCausalLM (a linear per expert projection) takes
+    the pushes."""
+    _train(tmp_path, "model.path=tiny-mixtral", "steps=2", f"precision={precision}", f"uaq.enabled={uaq}",
+           f"train.routing_replay={replay}")
+    records = _metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["train/skipped_nonfinite"] == 0 and r["mismatch/prob_pearson"] > 0.9 for r in records)
+    if replay == "r3":
+        assert all(0.5 < r["mismatch/topk_match"] <= r["mismatch/topk_overlap"] <= 1 for r in records)
+
+
 def test_bad_config_lists_every_problem_and_writes_nothing(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("precision: int4\nrollout: {samples_per_prompt: 1}\ntrain: {lr: -1, los: acr}\n")

@@ -10,9 +10,9 @@ from qurl_mcore.models.registry import features, slots
 from qurl_mcore.models.smollm2 import hf_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint
 
-from .helpers import hf_logits, random_ids
+from .helpers import hf_logits, hf_model, random_ids
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"]
 
 
 def _checkpoint(name):
@@ -37,7 +37,7 @@ def test_hf_to_megatron_to_hf_round_trip_is_exact(arch, megatron_ws1):
     assert all(torch.equal(exported[k], original[k]) for k in original)
 
 
-@pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe", "qwen2", "llama", "mixtral", "qwen2_moe"])
 def test_megatron_logits_equal_hf_transformers(arch, megatron_ws1):
     path = _checkpoint(arch)
     model = build_gpt(path)
@@ -48,6 +48,51 @@ def test_megatron_logits_equal_hf_transformers(arch, megatron_ws1):
     print(f"{arch}: max |logits - HF| = {diff:.3g} (max |logit| {ref.abs().max().item():.3g})")
     assert diff <= 2e-5 * ref.abs().max().item(), diff  # fp32 rounding over the model's depth
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _with_rope(tmp_path, rope: dict):
+    """tiny-llama with RoPE parameters `rope` (same weights)."""
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "llama3")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    return path
+
+
+def test_llama3_rope_scaling_equals_hf_transformers(megatron_ws1, tmp_path):
+    path = _with_rope(tmp_path, LLAMA3_ROPE)
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    hf_inv_freq = hf_model(path).model.rotary_emb.inv_freq
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32)
+    # head dim 32: wavelengths 2π..~3.5e4, so some are divided by 8, some interpolated, some kept
+    assert (hf_inv_freq < plain * 0.99).any() and (hf_inv_freq == plain).any()
+    assert torch.allclose(model.rotary_pos_emb.inv_freq.cpu(), hf_inv_freq, rtol=1e-6, atol=0)
+    ids = random_ids(2, 24)
+    ours, ref = _megatron_logits(model, ids), hf_logits(path, ids)
+    assert (ours - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("rope,error", [({**LLAMA3_ROPE, "low_freq_factor": 2.0}, "fixes"),
+                                        ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}, "'yarn'")])
+def test_rope_megatron_cannot_express_is_refused(megatron_ws1, tmp_path, rope, error):
+    with pytest.raises(NotImplementedError, match=error):
+        build_gpt(_with_rope(tmp_path, rope))
+
+
+def test_sliding_window_attention_is_refused(megatron_ws1):
+    from qurl_mcore.megatron.gpt import gpt_config
+
+    config = AutoConfig.from_pretrained(tiny_checkpoint("mixtral"))
+    config.sliding_window = 4096  # Mistral's; Mixtral-8x7B's is null
+    with pytest.raises(NotImplementedError, match="sliding_window 4096"):
+        gpt_config(config)
 
 
 def test_export_buckets_are_bounded_and_uaq_scaled_on_request(megatron_ws1):
@@ -125,7 +170,7 @@ def test_loading_refuses_a_checkpoint_that_does_not_fit(megatron_ws1, tmp_path):
         load_hf_weights(model, _copy_with(path, tmp_path / "b", state))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "mixtral", "qwen2_moe"])
 def test_a_rank_reads_only_its_slices_and_gets_its_shard(arch):
     """Reading a rank's rows/columns/query groups from the file equals cutting its shard from the whole."""
     from qurl_mcore.megatron.convert import _Checkpoint, _read_local

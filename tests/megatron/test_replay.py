@@ -1,5 +1,5 @@
-"""Routing replay (R3) and routing capture in Megatron's routers (qurl_mcore/megatron/replay.py), on the tiny
-Qwen3-MoE (2 layers, 4 experts, top-2) at world size 1."""
+"""Routing replay (R3) and routing capture in Megatron's routers (qurl_mcore/megatron/replay.py), on each tiny
+MoE model (2 layers, 4 experts, top-2) at world size 1."""
 import pytest
 import torch
 
@@ -13,9 +13,9 @@ from .helpers import random_ids
 B, S = 2, 12
 
 
-@pytest.fixture(scope="module")
-def moe(megatron_ws1):
-    path = tiny_checkpoint("qwen3_moe")
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
+def moe(request, megatron_ws1):
+    path = tiny_checkpoint(request.param)
     model = build_gpt(path)
     load_hf_weights(model, path)
     return model
@@ -85,8 +85,9 @@ def test_replayed_experts_are_used_for_every_token_and_layer(moe):
 
 
 def test_gate_weights_are_the_trainer_softmax_over_the_replayed_experts(moe):
-    """Qwen3-MoE renormalises over the top-k (moe_router_pre_softmax False): the replayed token's weights are
-    softmax(logits[replayed]) of the trainer's own router logits (hand formula), zero elsewhere."""
+    """A router renormalising over the top-k (Qwen3-MoE, Mixtral: moe_router_pre_softmax False) weights a replayed
+    token's experts by softmax(logits[replayed]) of the trainer's own router logits (hand formula), one that does
+    not (Qwen2-MoE's default) by softmax(logits)[replayed]; zero elsewhere."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     router = next(m for m in moe.modules() if isinstance(m, TopKRouter))
@@ -103,7 +104,9 @@ def test_gate_weights_are_the_trainer_softmax_over_the_replayed_experts(moe):
         taps.replay(None)
     for t in range(3):
         expected = torch.zeros(4)
-        expected[target[t]] = torch.softmax(logits[t, target[t]], dim=-1)
+        pre_softmax = router.config.moe_router_pre_softmax
+        expected[target[t]] = torch.softmax(logits[t], -1)[target[t]] if pre_softmax else \
+            torch.softmax(logits[t, target[t]], dim=-1)
         assert torch.allclose(probs[t], expected, atol=1e-6), (t, probs[t], expected)
         assert routing_map[t].nonzero().flatten().tolist() == sorted(target[t].tolist())
 

@@ -5,7 +5,7 @@ from qurl_mcore.megatron.convert import load_hf_weights, read_hf_state
 from qurl_mcore.megatron.logprobs import token_logprobs
 from qurl_mcore.megatron.gpt import build_gpt
 from qurl_mcore.megatron.rescaling import apply_uaq, quantized_weights, update_capture
-from qurl_mcore.models.registry import hf_uaq_role
+from qurl_mcore.models.registry import features, hf_uaq_role, num_experts
 from qurl_mcore.models.smollm2 import hf_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.uaq import UAQ_EXPONENTS, uaq_scale_hf, update_capture_ratio
@@ -18,7 +18,7 @@ def _logits(model, ids):
         return model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2", "llama", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("s", [1.5, 2.0])
 def test_uaq_preserves_the_function(arch, s, megatron_ws1):
     path = tiny_checkpoint(arch)
@@ -35,8 +35,9 @@ def test_uaq_preserves_the_function(arch, s, megatron_ws1):
     new = dict(model.named_parameters())[qkv].detach().view(2, 4, 32, -1)
     old = weights[qkv].view(2, 4, 32, -1)
     assert torch.allclose(new[:, :2], old[:, :2] / s) and torch.equal(new[:, 3], old[:, 3])  # v net unchanged
-    assert any("router" in n for n in changed) == (arch == "qwen3_moe")
-    assert any("linear_qkv.bias" in n for n in changed) == (arch == "qwen2")
+    assert any("router" in n for n in changed) == (num_experts(path) > 0)
+    assert any("linear_qkv.bias" in n for n in changed) == ("qkv_bias" in features(path))
+    assert any("shared_experts.gate_weight" in n for n in changed) == ("shared_expert_gate" in features(path))
 
 
 def test_hf_uaq_table_preserves_the_hf_model():

@@ -6,6 +6,8 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
+from qurl_mcore.models.registry import hf_linears, num_experts, sglang_linears
+from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.quant import PerBlock, make_spec, quantize_weight, quantized_linear
 from qurl_mcore.recipe import engine_recipe, resolve
 from qurl_mcore.sglang import METHODS, QurlOptions, register
@@ -45,6 +47,32 @@ def test_registered_through_the_entry_point():
         assert QUANTIZATION_METHODS[method].method == method
         assert CPU_QUANTIZATION_METHODS[method] is QUANTIZATION_METHODS[method]
         assert method in QUANTIZATION_CHOICES
+
+
+#: the modules of a layer as SGLang 0.5.23's model classes name them (sglang/srt/models/<arch>.py), with the group
+#: the plugin quantizes them as (None: never, SGLang builds routers and the shared-expert gate unquantized)
+SGLANG_MODULES = {
+    "qwen3_moe": {"self_attn.qkv_proj": "attention", "self_attn.o_proj": "attention", "mlp.gate": None,
+                  "mlp.experts": "experts"},
+    # a quantized Mixtral is QuantMixtralForCausalLM (models/mixtral_quant.py): a linear per expert projection
+    "mixtral": {"self_attn.qkv_proj": "attention", "self_attn.o_proj": "attention", "block_sparse_moe.gate": None,
+                **{f"block_sparse_moe.experts.{e}.w{i}": "experts" for e in range(4) for i in (1, 2, 3)}},
+    "qwen2_moe": {"self_attn.qkv_proj": "attention", "self_attn.o_proj": "attention", "mlp.gate": None,
+                  "mlp.experts": "experts", "mlp.shared_expert.gate_up_proj": "shared_experts",
+                  "mlp.shared_expert.down_proj": "shared_experts", "mlp.shared_expert_gate": None},
+}
+
+
+@pytest.mark.parametrize("arch", SGLANG_MODULES)
+def test_the_plugin_selects_every_linear_of_the_table_by_its_sglang_module(arch):
+    path = tiny_checkpoint(arch)
+    selected: dict[str, str] = {}
+    for layer in range(2):
+        for module, group in SGLANG_MODULES[arch].items():
+            found = sglang_linears(f"model.layers.{layer}.{module}", num_experts(path))
+            assert (found and found[0]) == group, module
+            selected.update(dict.fromkeys(found[1] if found else [], group))
+    assert selected == hf_linears(path)  # every linear a scope can quantize, under the checkpoint's names
 
 
 def test_requant_picks_the_quantizer_of_linears_and_experts():
