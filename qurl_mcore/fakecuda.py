@@ -51,7 +51,7 @@ from torch._subclasses.fake_tensor import (FakeTensor, FakeTensorMode, Unsupport
                                            unset_fake_temporarily)
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from qurl_mcore.models import cache_dir
@@ -148,7 +148,7 @@ class _Tracer(TorchDispatchMode):
         known = self._known(x)
         if x.dtype == torch.bool:
             return True if known is None else known
-        return 1
+        return 1.0 if x.is_floating_point() else 1
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         if func.namespace == "c10d":
@@ -224,7 +224,7 @@ class _FakeMode(FakeTensorMode):
 
 class _Functions(TorchFunctionMode):
     """Above the fake mode: finiteness checks recorded for `_Tracer` (as functions: some decompose before
-    the dispatcher). A tensor over real bytes (a checkpoint read from disk) is made outside
+    the dispatcher); `torch.tensor` of a list of tensors reads them as `_Tracer` does. A tensor over real bytes (a checkpoint read from disk) is made outside
     it: a real CPU tensor, which fake CUDA parameters copy like any CPU tensor. `param.data = x` (Megatron's
     DDP moves parameters into its buffers so) gives a fake tensor the device of `x`, as it does a real one."""
 
@@ -236,6 +236,8 @@ class _Functions(TorchFunctionMode):
         if any(isinstance(a, torch.UntypedStorage) and a.device.type == "cpu" for a in args):
             with unset_fake_temporarily():
                 return func(*args, **(kwargs or {}))
+        if func is torch.tensor and args and isinstance(args[0], (list, tuple)):  # reads each tensor in it
+            args = (tree_map_only(torch.Tensor, self.tracer._read, args[0]), *args[1:])
         out = func(*args, **(kwargs or {}))
         if func in _KNOWN_FUNCTIONS and isinstance(out, torch.Tensor):
             self.tracer.values[out] = _KNOWN_FUNCTIONS[func]
@@ -487,8 +489,9 @@ def run_traced(fn: Callable[..., Any], *args: Any, timeout: float = 600.0) -> An
     call = pickle.dumps((sys.path, fn.__module__, fn.__qualname__, args))
     done = subprocess.run([sys.executable, "-m", "qurl_mcore.fakecuda"], input=call, capture_output=True, env=env,
                           timeout=timeout, cwd=os.getcwd())
-    if done.returncode:
-        raise RuntimeError(f"{fn.__qualname__} failed under fake CUDA:\n{done.stderr.decode()[-6000:]}")
+    if done.returncode:  # the dispatcher's lists of registered kernels say nothing here
+        lines = [line for line in done.stderr.decode().splitlines() if "registered at" not in line]
+        raise RuntimeError(f"{fn.__qualname__} failed under fake CUDA:\n" + "\n".join(lines)[-6000:])
     return pickle.loads(done.stdout)
 
 
