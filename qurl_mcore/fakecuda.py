@@ -157,6 +157,8 @@ class _Tracer(TorchDispatchMode):
                 return func(*args, **(kwargs or {}))
             except UnsupportedOperatorException:  # no fake kernel (the coalesced ones): nothing to compute
                 return _done_work()
+        if func is torch.ops.aten.record_stream.default:  # no memory is reused while work is pending
+            return None
         if func is torch.ops.aten._local_scalar_dense.default:
             return self._read(args[0])
         if func is torch.ops.aten.nonzero.default:  # every element: the upper bound of its size
@@ -262,12 +264,16 @@ class _Event:
         return 0.0
 
 
-class _Stream:
-    """A CUDA stream on which nothing waits: no work runs, so there is nothing to order."""
+class _Stream(torch.Stream):
+    """A CUDA stream on which nothing waits: no work runs, so there is nothing to order. A torch.Stream (stream
+    0 of its device), which `Tensor.record_stream` requires."""
+
+    def __new__(cls, device=None, priority: int = 0, **kwargs):
+        index = torch._C._accelerator_getDeviceIndex() if device is None else _index(device)
+        return super().__new__(cls, stream_id=0, device_index=index, device_type=1)  # 1: CUDA
 
     def __init__(self, device=None, priority: int = 0, **kwargs):
-        self.device = torch.device("cuda", 0 if device is None else _index(device))
-        self.priority = priority
+        pass
 
     def wait_stream(self, stream) -> None: ...
     def wait_event(self, event) -> None: ...
@@ -316,14 +322,13 @@ def _cuda_answers(devices: int, gpu: Gpu, trace: Trace) -> dict[str, Any]:
         trace._prune()
         return trace.live_bytes
 
-    stream = _Stream()
     return dict(
         is_available=lambda: True, device_count=lambda: devices, is_initialized=lambda: True,
         current_device=torch._C._accelerator_getDeviceIndex, set_device=set_device, device=device_,
         get_device_capability=lambda device=None: gpu.capability, get_device_properties=properties,
         get_device_name=lambda device=None: gpu.name,
-        Stream=_Stream, Event=_Event, current_stream=lambda device=None: stream,
-        default_stream=lambda device=None: stream, stream=lambda s=None: contextlib.nullcontext(s),
+        Stream=_Stream, Event=_Event, current_stream=_Stream, default_stream=_Stream,
+        stream=lambda s=None: contextlib.nullcontext(s), _lazy_init=lambda: None,
         synchronize=lambda device=None: None, empty_cache=lambda: None,
         memory_allocated=allocated, memory_reserved=allocated, max_memory_allocated=lambda d=None: trace.peak_bytes,
         max_memory_reserved=lambda d=None: trace.peak_bytes,

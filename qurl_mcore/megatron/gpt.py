@@ -128,7 +128,7 @@ def build_gpt(
     overrides = {"params_dtype": dtype, "pipeline_dtype": dtype, "bf16": dtype == torch.bfloat16,
                  "use_cpu_initialization": not torch.cuda.is_available(), **RECOMPUTE[recompute], **overrides}
     config = gpt_config(hf, **overrides)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=gpt_spec(config, precision=precision, scope=scope, fmt=fmt,
                                         core_attention=core_attention),
@@ -139,3 +139,7 @@ def build_gpt(
         position_embedding_type="rope",
         rotary_base=rope_theta(hf),
     )
+    if torch.cuda.is_available():  # torch-built norms and the router come on the CPU in fp32: every parameter on
+        for param in model.parameters():  # the GPU in `dtype`, as in Megatron's Float16Module
+            param.data = param.data.to(device=torch.cuda.current_device(), dtype=dtype)
+    return model

@@ -2,8 +2,6 @@
 functions with picklable arguments and results."""
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -74,8 +72,3 @@ def trainer_steps(arch: str, overrides: list[str], rows: list[int], tp: int = 2,
             out["peaks"].append(trace.peak_bytes)
         trainer.close()
     return out
-
-
-def local_rank(rank: int) -> str | None:
-    """LOCAL_RANK as a spawned rank sees it."""
-    return os.environ.get("LOCAL_RANK")
