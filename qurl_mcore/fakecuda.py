@@ -329,6 +329,7 @@ def _cuda_answers(devices: int, gpu: Gpu, trace: Trace) -> dict[str, Any]:
         get_device_name=lambda device=None: gpu.name,
         Stream=_Stream, Event=_Event, current_stream=_Stream, default_stream=_Stream,
         stream=lambda s=None: contextlib.nullcontext(s), _lazy_init=lambda: None,
+        is_current_stream_capturing=lambda: False,
         synchronize=lambda device=None: None, empty_cache=lambda: None,
         memory_allocated=allocated, memory_reserved=allocated, max_memory_allocated=lambda d=None: trace.peak_bytes,
         max_memory_reserved=lambda d=None: trace.peak_bytes,

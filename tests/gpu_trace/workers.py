@@ -72,3 +72,27 @@ def trainer_steps(arch: str, overrides: list[str], rows: list[int], tp: int = 2,
             out["peaks"].append(trace.peak_bytes)
         trainer.close()
     return out
+
+
+def scaled_mm_out_dtype(gpu: str) -> tuple[str, str]:
+    """The out_dtype `quantized_matmul` asks torch._scaled_mm for with fp8 row-wise operands on `gpu`, and the
+    dtype it returns (fp32 asked)."""
+    from torch.overrides import TorchFunctionMode
+
+    from qurl_mcore.quant.qtensor import quantize
+    from qurl_mcore.quant.gemm import quantized_matmul
+
+    asked = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch._scaled_mm:
+                asked.append(str(kwargs.get("out_dtype")))
+            return func(*args, **(kwargs or {}))
+
+    with fake_cuda(gpu=gpu):
+        a = quantize(torch.randn(32, 64, device="cuda"), "fp8_e4m3", "token")
+        b = quantize(torch.randn(48, 64, device="cuda"), "fp8_e4m3", "channel")
+        with Record():
+            out = quantized_matmul(a, b, backend="fp8", out_dtype=torch.float32)
+    return asked[0], str(out.dtype)
