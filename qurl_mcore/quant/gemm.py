@@ -85,6 +85,8 @@ def quantized_matmul(a: QTensor, b: QTensor, *, backend: str = "auto", out_dtype
             codes = torch.nn.functional.pad(codes, (0, 0, 0, _INT_MM_MIN_ROWS - m))
         acc = torch._int_mm(codes, _codes_2d(b).t())[:m]
         return (acc.to(torch.float32) * scale_a * scale_b).to(out_dtype)
-    # row-wise scales with an fp32 output: SM90's kernels only; elsewhere the kernel writes bf16
-    out = out_dtype if ROWWISE_FP32_OUT.get(torch.cuda.get_device_capability(a.data.device)[0]) else torch.bfloat16
+    # row-wise scales with an fp32 output: on CUDA, SM90's kernels only; other GPUs' kernels write bf16
+    cuda = a.data.device.type == "cuda"
+    out = torch.bfloat16 if cuda and not ROWWISE_FP32_OUT.get(torch.cuda.get_device_capability(a.data.device)[0]) \
+        else out_dtype
     return torch._scaled_mm(_codes_2d(a), _codes_2d(b).t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out).to(out_dtype)
