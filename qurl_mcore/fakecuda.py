@@ -26,11 +26,10 @@ What it catches, as a GPU would:
 
 What it cannot: whether a kernel exists for the device and dtype (a CPU build has none to ask), numerics
 (there are no values: a data-dependent read follows "the data is well-formed": finiteness checks pass, a mask
-selects every element, a number read is 1 (so a trainer's
-"nonfinite" metric reads 1 and its update is skipped: optimizer states allocated at the first update are
-missing from a trace's peak); `nonzero` and `x[mask]` answer "all of them", the upper bound of
-their size), speed, and hangs or mismatched collectives across ranks (the other ranks
-do not run).
+selects every element, a number read is 1, so a trainer's "nonfinite" metric reads 1 and its update is
+skipped, and optimizer states allocated at the first update are missing from a traced peak; `nonzero` and
+`x[mask]` answer "all of them", the upper bound of their size), speed, and hangs or mismatched collectives
+across ranks (the other ranks do not run).
 
 Never on a real run's path: tests and `qurl plan --trace` use it.
 """
