@@ -21,6 +21,7 @@ ALLOWED: dict[str, tuple[str, frozenset[str]]] = {name: (what, frozenset(deps)) 
     ("models", "architecture tables, packaged and tiny models, architecture cards", ()),
     ("transfer", "buckets, ports, comm backend, store binding", ()),
     ("checkpoint", "the checkpoint format: files, meta, verify, latest valid", ()),
+    ("fakecuda", "the CUDA façade for tracing GPU code on the CPU (tests, `qurl plan --trace`)", ("models",)),
     ("placement", "the Ray bundles of a config and whether a cluster holds them", ("config",)),
     ("heldout", "the held-out prompts a config evaluates on", ("config", "tasks")),
     ("runlock", "a run's lock on its checkpoint and log directories", ("config",)),

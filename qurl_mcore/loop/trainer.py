@@ -299,10 +299,12 @@ class PolicyTrainer:
                     highest[i] = max(highest[i], r.get(k, -math.inf))
                 else:
                     sums[i] += w * r.get(k, 0.0)
-        if self.dp_size > 1:
+        if self.dp_size > 1:  # NCCL reduces device tensors only
             group = self.ps.get_data_parallel_group()
+            sums, highest = sums.to(self.device), highest.to(self.device)
             dist.all_reduce(sums, group=group)
             dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+            sums, highest = sums.cpu(), highest.cpu()
         total = float(sums[-1]) or 1.0
         metrics = {k: float(highest[i]) if k.endswith("/max") else float(sums[i]) / total for i, k in enumerate(keys)}
         pp = self.ps.get_pipeline_model_parallel_group()

@@ -165,7 +165,7 @@ def build_gpt(
     overrides = {"params_dtype": dtype, "pipeline_dtype": dtype, "bf16": dtype == torch.bfloat16,
                  "use_cpu_initialization": not torch.cuda.is_available(), **RECOMPUTE[recompute], **overrides}
     config = gpt_config(hf, **overrides)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=gpt_spec(config, recipe, core_attention=core_attention),
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
@@ -176,3 +176,7 @@ def build_gpt(
         rotary_base=rope_theta(hf),
         **rope_scaling(hf),
     )
+    if torch.cuda.is_available():  # torch-built norms and the router come on the CPU in fp32: every parameter on
+        for param in model.parameters():  # the GPU in `dtype`, as in Megatron's Float16Module
+            param.data = param.data.to(device=torch.cuda.current_device(), dtype=dtype)
+    return model

@@ -81,7 +81,9 @@ def destroy_parallel() -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    # one node: the local rank is the rank, and bind_device takes GPU LOCAL_RANK
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
     try:
         # plain pickle copies tensors by value: torch's queue would share their memory with a dying process
         queue.put((rank, True, pickle.dumps(fn(rank, *args))))

@@ -47,6 +47,10 @@ def build_training(model: torch.nn.Module, *, lr: float, weight_decay: float = 0
         config=config, module=model,
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
                                                  use_distributed_optimizer=distributed_optimizer))
+    if overlap_grad_reduce:  # as Megatron's training loop sets them: only the last micro-batch of a step counts
+        # its gradients "ready" (and starts the bucket's reduce), whatever the number of micro-batches
+        config.no_sync_func = ddp.no_sync
+        config.grad_sync_func = ddp.start_grad_sync  # the pipeline schedules start the reduce per stage
     config.finalize_model_grads_func = finalize_model_grads
     bf16 = config.params_dtype == torch.bfloat16
     optimizer = get_megatron_optimizer(

@@ -32,6 +32,8 @@ def _kernel_for(a: QTensor, b: QTensor) -> str | None:
 
 #: torch._int_mm on CUDA needs more than 16 rows: decode shapes (a few tokens) are padded with zero rows
 _INT_MM_MIN_ROWS = 17
+#: compute capability (major) -> whether torch._scaled_mm's row-wise kernel writes fp32 (SM90 yes, SM100 no)
+ROWWISE_FP32_OUT = {9: True, 10: False}
 
 
 def _cuda_shape_ok(kernel: str, m: int, n: int, k: int) -> bool:
@@ -81,6 +83,8 @@ def quantized_matmul(a: QTensor, b: QTensor, *, backend: str = "auto", out_dtype
             codes = torch.nn.functional.pad(codes, (0, 0, 0, _INT_MM_MIN_ROWS - m))
         acc = torch._int_mm(codes, _codes_2d(b).t())[:m]
         return (acc.to(torch.float32) * scale_a * scale_b).to(out_dtype)
-    return torch._scaled_mm(
-        _codes_2d(a), _codes_2d(b).t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
-    )
+    # row-wise scales with an fp32 output: on CUDA, SM90's kernels only; other GPUs' kernels write bf16
+    cuda = a.data.device.type == "cuda"
+    out = torch.bfloat16 if cuda and not ROWWISE_FP32_OUT.get(torch.cuda.get_device_capability(a.data.device)[0]) \
+        else out_dtype
+    return torch._scaled_mm(_codes_2d(a), _codes_2d(b).t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out).to(out_dtype)

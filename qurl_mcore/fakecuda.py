@@ -1,0 +1,521 @@
+"""A CUDA façade for tracing GPU code on a machine without one: `fake_cuda(devices=N)`, in a process started by
+`run_traced`.
+
+Inside the context every tensor is a fake tensor (torch's `FakeTensorMode`): it has a shape, a dtype and a
+device, and no data; allocating on `cuda` costs nothing and works on the CPU build of torch. `torch.cuda`
+answers for N devices of a chosen GPU (`GPUS`: capability, memory), and torch.distributed runs the `cuda:fake`
+backend over a `FakeStore`: this process is rank `rank` of a group of `world_size` ranks that exist only in
+the group, and every collective returns at once. Megatron's gloo groups (for CPU tensors) get the `fake`
+backend, which takes CPU tensors: ProcessGroupGloo cannot start over a FakeStore (c10d's init.cpp asserts
+"Not implemented" on the store's methods it calls).
+
+A CPU build of torch has no CUDA device guard and no CUDA hooks, which indexing, `copy_`, `.to`, `device=<int>`
+and autograd's streams ask for. `runtime_library()` compiles a small shim (c10's own `FakeGuardImpl` for CUDA,
+and CUDA hooks that report CUDA as built, up to 8 devices, never initialising anything); it must load before
+torch does, so traces run in a fresh process with it preloaded (`run_traced`), which also keeps the façade
+away from processes where megatron/cpu_compat.py replaced `torch.cuda` functions.
+
+What it catches, as a GPU would:
+- a CPU tensor meeting a CUDA one in an operation (`FakeTensorDeviceMismatchError`; 0-dim CPU scalars are
+  allowed, as on a GPU);
+- a CPU tensor in a collective on an NCCL group (`NcclDeviceError`: NCCL takes CUDA tensors only);
+- dtypes and shapes of every operation (object collectives give every rank this rank's objects), and the bytes of CUDA tensors alive at once (`Trace.peak_bytes`): a
+  `TorchDispatchMode` under the fake mode sees every operation's outputs, counts each CUDA storage once (views
+  cost nothing) from the operation that first returns it, and holds a weak reference to it, so that a
+  storage counts until torch frees it. The caching allocator's rounding and fragmentation are not modelled.
+
+What it cannot: whether a kernel exists for the device and dtype (a CPU build has none to ask), numerics
+(there are no values: a data-dependent read follows "the data is well-formed": finiteness checks pass, a mask
+selects every element, a number read is 1, so a trainer's "nonfinite" metric reads 1 and its update is
+skipped, and optimizer states allocated at the first update are missing from a traced peak; `nonzero` and
+`x[mask]` answer "all of them", the upper bound of their size), speed, and hangs or mismatched collectives
+across ranks (the other ranks do not run).
+
+Never on a real run's path: tests and `qurl plan --trace` use it.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pickle
+import subprocess
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import (FakeTensor, FakeTensorMode, UnsupportedOperatorException,
+                                           unset_fake_temporarily)
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+from qurl_mcore.models import cache_dir
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    capability: tuple[int, int]
+    memory_bytes: int
+    multi_processor_count: int
+
+
+#: the GPUs a trace can pretend to be (torch.cuda.get_device_properties answers)
+GPUS: dict[str, Gpu] = {gpu.name: gpu for gpu in (
+    Gpu("A100-80GB", (8, 0), 80 << 30, 108),
+    Gpu("H100-80GB", (9, 0), 80 << 30, 132),
+    Gpu("H200", (9, 0), 141 << 30, 132),
+    Gpu("B200", (10, 0), 180 << 30, 148),
+)}
+#: the shim's device guard (c10's FakeGuardImpl) knows this many devices
+MAX_DEVICES = 8
+
+
+class NcclDeviceError(RuntimeError):
+    """A collective on an NCCL group was given a tensor that is not on a CUDA device."""
+
+
+@dataclass
+class Trace:
+    """Bytes of fake CUDA tensors alive during a `fake_cuda` context (per storage)."""
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    _storages: dict[int, tuple[int, int]] = field(default_factory=dict)  # storage id -> (weak ref, bytes)
+
+    def reset_peak(self) -> None:
+        self._prune()
+        self.peak_bytes = self.live_bytes
+
+    def _add(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage._cdata in self._storages:
+            return
+        self._storages[storage._cdata] = (storage._weak_ref(), storage.nbytes())
+        self.live_bytes += storage.nbytes()
+        if self.live_bytes > self.peak_bytes:  # only then does the exact live total matter
+            self._prune()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _prune(self) -> None:
+        for key, (ref, nbytes) in list(self._storages.items()):
+            if torch.UntypedStorage._expired(ref):
+                torch.UntypedStorage._free_weak_ref(ref)
+                del self._storages[key]
+                self.live_bytes -= nbytes
+
+
+_NCCL_RULE = "NCCL takes CUDA tensors only: move the tensor to the rank's device before the collective"
+
+
+class _Tracer(TorchDispatchMode):
+    """Under the FakeTensorMode: counts CUDA storages, applies NCCL's device rule to collectives (c10d ops,
+    whose process group is an argument), and answers data-dependent reads (no values exist)."""
+
+    def __init__(self, trace: Trace):
+        super().__init__()
+        self.trace = trace
+        self.values = WeakIdKeyDictionary()  # what a later data-dependent read of a reduction answers
+
+    def _known(self, x) -> bool | None:
+        """The value every element of boolean `x` is known to have, or None."""
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bool:
+            return None
+        return self.values.get(x)
+
+    def _infer(self, func, args) -> bool | None:
+        packet = func.overloadpacket
+        if packet in _KNOWN:
+            return _KNOWN[packet]
+        known = [self._known(a) for a in args[:2]]
+        if packet in _NEGATE and known[0] is not None:
+            return not known[0]
+        if packet in _AND and False in known:
+            return False
+        if packet in _AND and known == [True, True] or packet in _OR and True in known:
+            return True
+        if packet in _OR and known == [False, False]:
+            return False
+        if packet in _REDUCE or func in _VIEWS:
+            return known[0]
+        return None
+
+    def _read(self, x: torch.Tensor):
+        known = self._known(x)
+        if x.dtype == torch.bool:
+            return True if known is None else known
+        return 1.0 if x.is_floating_point() else 1
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            _check_collective(func, args)
+            try:
+                return func(*args, **(kwargs or {}))
+            except UnsupportedOperatorException:  # no fake kernel (the coalesced ones): nothing to compute
+                return _done_work()
+        if func is torch.ops.aten.record_stream.default:  # no memory is reused while work is pending
+            return None
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return self._read(args[0])
+        if func is torch.ops.aten.nonzero.default:  # every element: the upper bound of its size
+            (x,) = args
+            return torch.empty(x.numel(), x.dim(), dtype=torch.long, device=x.device)
+        if func is torch.ops.aten.index.Tensor and _masked(args[1]):  # x[mask]: every element selected
+            x, (mask,) = args
+            return x.new_empty((mask.numel(), *x.shape[mask.dim():]))
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dtype == torch.bool and (known := self._infer(func, args)) is not None:
+            self.values[out] = known
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                self.trace._add(t)
+        return out
+
+
+aten = torch.ops.aten
+#: Data-dependent reads follow "the data is well-formed": a finiteness check passes. Boolean tensors whose every
+#: element is known (True or False) are tracked through these operations; any other boolean is taken as all
+#: True (a mask selects everything, as `nonzero` does).
+_KNOWN = {aten.isfinite: True, aten.isnan: False, aten.isinf: False, aten.isposinf: False, aten.isneginf: False}
+#: the same checks as functions (some decompose before the dispatcher: `_Functions` records them)
+_KNOWN_FUNCTIONS = {f: known for name, known in (("isfinite", True), ("isnan", False), ("isinf", False))
+                    for f in (getattr(torch, name), getattr(torch.Tensor, name))}
+_NEGATE = (aten.logical_not, aten.bitwise_not)
+_AND = (aten.logical_and, aten.bitwise_and, aten.__and__, aten.mul)
+_OR = (aten.logical_or, aten.bitwise_or, aten.__or__)
+_REDUCE = (aten.any, aten.all, aten.amax, aten.amin)
+_VIEWS = {aten.index.Tensor, aten.view.default, aten.reshape.default, aten.expand.default, aten.slice.Tensor,
+          aten.select.int, aten.clone.default, aten._to_copy.default, aten.unsqueeze.default, aten.squeeze.dim}
+
+
+def _done_work():
+    """A completed c10d Work, what a collective that ran returns."""
+    future = torch.futures.Future()
+    future.set_result(None)
+    return torch._C._distributed_c10d._create_work_from_future(future).boxed()
+
+
+def _masked(indices) -> bool:
+    """Whether an index list is one boolean mask (x[mask]), whose result size depends on the values."""
+    return len(indices) == 1 and indices[0] is not None and indices[0].dtype == torch.bool
+
+
+def _check_collective(func, args) -> None:
+    groups = [dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject)
+              and a._type().qualified_name().endswith("c10d.ProcessGroup")]
+    if not groups or dist.get_backend(groups[0]) != "cuda:fake":
+        return
+    for t in tree_flatten(list(args))[0]:
+        if isinstance(t, torch.Tensor) and t.device.type != "cuda":
+            raise NcclDeviceError(f"{func} on an NCCL group got a {t.dtype} tensor of shape {tuple(t.shape)} on "
+                                  f"{t.device}: {_NCCL_RULE}")
+
+
+class _FakeMode(FakeTensorMode):
+    """FakeTensorMode that never computes on CUDA for real: torch.cuda says it is available here, so the mode
+    would otherwise run device moves of constant tensors (`torch.tensor([n]).to("cuda")`) on the device."""
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return True
+
+
+class _Functions(TorchFunctionMode):
+    """Above the fake mode: finiteness checks recorded for `_Tracer` (as functions: some decompose before
+    the dispatcher); `torch.tensor` of a list of tensors reads them as `_Tracer` does. A tensor over real bytes (a checkpoint read from disk) is made outside
+    it: a real CPU tensor, which fake CUDA parameters copy like any CPU tensor. `param.data = x` (Megatron's
+    DDP moves parameters into its buffers so) gives a fake tensor the device of `x`, as it does a real one."""
+
+    def __init__(self, tracer: _Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        if any(isinstance(a, torch.UntypedStorage) and a.device.type == "cpu" for a in args):
+            with unset_fake_temporarily():
+                return func(*args, **(kwargs or {}))
+        if func is torch.tensor and args and isinstance(args[0], (list, tuple)):  # reads each tensor in it
+            args = (tree_map_only(torch.Tensor, self.tracer._read, args[0]), *args[1:])
+        out = func(*args, **(kwargs or {}))
+        if func in _KNOWN_FUNCTIONS and isinstance(out, torch.Tensor):
+            self.tracer.values[out] = _KNOWN_FUNCTIONS[func]
+        if func == _SET_DATA and isinstance(args[0], FakeTensor) and isinstance(args[1], FakeTensor):
+            args[0].fake_device = args[1].fake_device
+        return out
+
+
+_SET_DATA = torch._C.TensorBase.data.__set__
+
+
+class _Event:
+    def __init__(self, *args, **kwargs): ...
+    def record(self, stream=None) -> None: ...
+    def wait(self, stream=None) -> None: ...
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+class _Stream(torch.Stream):
+    """A CUDA stream on which nothing waits: no work runs, so there is nothing to order. A torch.Stream (stream
+    0 of its device), which `Tensor.record_stream` requires."""
+
+    def __new__(cls, device=None, priority: int = 0, **kwargs):
+        index = torch._C._accelerator_getDeviceIndex() if device is None else _index(device)
+        return super().__new__(cls, stream_id=0, device_index=index, device_type=1)  # 1: CUDA
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None: ...
+    def wait_event(self, event) -> None: ...
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event=None) -> _Event:
+        return event or _Event()
+
+
+def _index(device) -> int:
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"not a CUDA device: {device}")
+    return device.index or 0
+
+
+def _cuda_answers(devices: int, gpu: Gpu, trace: Trace) -> dict[str, Any]:
+    """The torch.cuda functions Megatron and SGLang call, answering for `devices` fake GPUs of kind `gpu`; the
+    current device is the shim's (C++ and Python agree on it)."""
+
+    def set_device(device) -> None:
+        index = _index(device)
+        if not 0 <= index < devices:
+            raise RuntimeError(f"CUDA device {index} does not exist: this trace has {devices} (fake_cuda(devices=))")
+        torch._C._accelerator_setDeviceIndex(index)
+
+    @contextlib.contextmanager
+    def device_(device):
+        before = torch._C._accelerator_getDeviceIndex()
+        set_device(device)
+        try:
+            yield
+        finally:
+            torch._C._accelerator_setDeviceIndex(before)
+
+    def properties(device=None):
+        return types.SimpleNamespace(name=gpu.name, total_memory=gpu.memory_bytes, major=gpu.capability[0],
+                                     minor=gpu.capability[1], multi_processor_count=gpu.multi_processor_count)
+
+    def allocated(device=None) -> int:
+        trace._prune()
+        return trace.live_bytes
+
+    return dict(
+        is_available=lambda: True, device_count=lambda: devices, is_initialized=lambda: True,
+        current_device=torch._C._accelerator_getDeviceIndex, set_device=set_device, device=device_,
+        get_device_capability=lambda device=None: gpu.capability, get_device_properties=properties,
+        get_device_name=lambda device=None: gpu.name,
+        Stream=_Stream, Event=_Event, current_stream=_Stream, default_stream=_Stream,
+        stream=lambda s=None: contextlib.nullcontext(s), _lazy_init=lambda: None,
+        is_current_stream_capturing=lambda: False,
+        synchronize=lambda device=None: None, empty_cache=lambda: None,
+        memory_allocated=allocated, memory_reserved=allocated, max_memory_allocated=lambda d=None: trace.peak_bytes,
+        max_memory_reserved=lambda d=None: trace.peak_bytes,
+        mem_get_info=lambda device=None: (gpu.memory_bytes - allocated(), gpu.memory_bytes),
+        reset_peak_memory_stats=lambda device=None: trace.reset_peak(),
+        manual_seed=lambda seed: None, manual_seed_all=lambda seed: None,
+        get_rng_state=lambda device="cuda": torch.get_rng_state(), set_rng_state=lambda state, device="cuda": None,
+        default_generators=tuple(torch.Generator() for _ in range(devices)),  # Megatron's RNG tracker sets them
+    )
+
+
+#: the RNG functions torch.cuda.random also holds (Megatron's RNG tracker calls them there)
+_RNG = ("manual_seed", "manual_seed_all", "get_rng_state", "set_rng_state")
+
+
+@contextlib.contextmanager
+def _patched(owner, values: dict[str, Any]) -> Iterator[None]:
+    missing = object()
+    saved = {name: getattr(owner, name, missing) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(owner, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+def _gloo_as_fake(new_group):
+    """dist.new_group with backend gloo -> the `fake` backend (CPU tensors allowed, as on gloo)."""
+
+    def wrapper(*args, backend=None, **kwargs):
+        return new_group(*args, backend="fake" if backend == "gloo" else backend, **kwargs)
+
+    return wrapper
+
+
+def _all_gather_object(object_list: list, obj: Any, group=None) -> None:
+    object_list[:] = [obj] * len(object_list)
+
+
+#: object collectives pickle into tensors and read them back; with no other rank running, every rank is taken
+#: to hold what this one holds (a broadcast leaves the list as it is)
+_OBJECT_COLLECTIVES = dict(all_gather_object=_all_gather_object,
+                           broadcast_object_list=lambda object_list, src=None, group=None, device=None, **kw: None)
+
+
+def shim_loaded() -> bool:
+    """Whether this process started with the runtime shim (torch sees CUDA as its accelerator)."""
+    return torch._C._get_accelerator().type == "cuda"
+
+
+@contextlib.contextmanager
+def fake_cuda(devices: int = 1, *, world_size: int = 1, rank: int = 0, gpu: str = "H100-80GB",
+              device: int = 0) -> Iterator[Trace]:
+    """Trace on `devices` fake GPUs of kind `gpu` (`GPUS`), current device `device`, as rank `rank` of a
+    `cuda:fake` process group of `world_size` ranks. Yields the `Trace` of CUDA bytes alive (module docstring
+    says what the façade catches and what it cannot). Needs a process started by `run_traced`."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if gpu not in GPUS:
+        raise ValueError(f"unknown gpu {gpu!r}; use one of {sorted(GPUS)}")
+    if not 1 <= devices <= MAX_DEVICES:
+        raise ValueError(f"devices={devices}: the façade has 1 to {MAX_DEVICES} devices (one node)")
+    if not shim_loaded():
+        raise RuntimeError("the fake CUDA runtime is not loaded: trace in a process started by "
+                           "qurl_mcore.fakecuda.run_traced (the shim must load before torch)")
+    if dist.is_initialized():
+        raise RuntimeError("fake_cuda starts its own process group: destroy the current one first")
+    trace = Trace()
+    with contextlib.ExitStack() as stack:
+        answers = _cuda_answers(devices, GPUS[gpu], trace)
+        stack.enter_context(_patched(torch.cuda, answers))
+        stack.enter_context(_patched(torch.cuda.random, {name: answers[name] for name in _RNG}))
+        stack.enter_context(_patched(dist, {"new_group": _gloo_as_fake(dist.new_group), **_OBJECT_COLLECTIVES}))
+        answers["set_device"](device)
+        dist.init_process_group("cuda:fake", rank=rank, world_size=world_size, store=FakeStore())
+        stack.callback(_destroy_groups)
+        stack.enter_context(_FakeMode(allow_non_fake_inputs=True))
+        tracer = stack.enter_context(_Tracer(trace))
+        stack.enter_context(_Functions(tracer))
+        yield trace
+
+
+def _destroy_groups() -> None:
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:  # Megatron keeps its groups in globals: drop them with ours
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- the runtime shim and the traced process ------------------------------------------------------------------
+_SHIM = r"""
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/FakeGuardImpl.h>
+
+// c10's test guard for CUDA: current device and streams kept per thread, nothing else.
+C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);
+
+namespace {
+const c10::impl::DeviceGuardImplInterface* guard() {
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+}
+
+// CUDA hooks that report CUDA built and present (torch then takes it as the accelerator) and initialise nothing.
+struct FakeCUDAHooks : at::CUDAHooksInterface {
+  explicit FakeCUDAHooks(at::CUDAHooksArgs) {}
+  void init() const override {}
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasCUDA() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  c10::DeviceIndex deviceCount() const override { return c10::impl::kFakeGuardImplMaxDevices; }
+  int getNumGPUs() const override { return c10::impl::kFakeGuardImplMaxDevices; }
+  c10::DeviceIndex current_device() const override { return guard()->getDevice().index(); }
+  c10::DeviceIndex getCurrentDevice() const override { return current_device(); }
+  void setCurrentDevice(c10::DeviceIndex d) const override { guard()->setDevice({c10::DeviceType::CUDA, d}); }
+};
+}  // namespace
+
+namespace at {
+C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", FakeCUDAHooks);
+}
+"""
+
+
+def runtime_library() -> Path:
+    """The shim (module docstring), compiled with the system's C++ compiler against this torch, once per torch
+    version and shim source (cached)."""
+    torch_dir = Path(torch.__file__).parent
+    digest = hashlib.sha256(f"{torch.__version__}{_SHIM}".encode()).hexdigest()[:16]
+    out = cache_dir() / "fakecuda" / f"shim-{digest}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    source = out.with_suffix(f".{os.getpid()}.cpp")
+    source.write_text(_SHIM)
+    tmp = out.with_suffix(f".{os.getpid()}.so")
+    cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{torch_dir / 'include'}",
+           str(source), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}",
+           "-o", str(tmp)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError as err:
+        raise RuntimeError(f"the fake CUDA runtime needs a C++ compiler ({cmd[0]} not found; set CXX)") from err
+    finally:
+        source.unlink(missing_ok=True)
+    if done.returncode:
+        raise RuntimeError(f"compiling the fake CUDA runtime failed:\n{done.stderr[-2000:]}")
+    tmp.replace(out)
+    return out
+
+
+def run_traced(fn: Callable[..., Any], *args: Any, timeout: float = 600.0) -> Any:
+    """`fn(*args)` (a module-level function; arguments and result picklable) in a fresh Python process started
+    with the fake CUDA runtime preloaded; `fn` enters `fake_cuda` itself. Raises RuntimeError with the child's
+    traceback when it fails."""
+    env = {**os.environ, "LD_PRELOAD": str(runtime_library())}
+    call = pickle.dumps((sys.path, fn.__module__, fn.__qualname__, args))
+    done = subprocess.run([sys.executable, "-m", "qurl_mcore.fakecuda"], input=call, capture_output=True, env=env,
+                          timeout=timeout, cwd=os.getcwd())
+    if done.returncode:  # the dispatcher's lists of registered kernels say nothing here
+        lines = [line for line in done.stderr.decode().splitlines() if "registered at" not in line]
+        raise RuntimeError(f"{fn.__qualname__} failed under fake CUDA:\n" + "\n".join(lines)[-6000:])
+    return pickle.loads(done.stdout)
+
+
+def _child() -> None:
+    import importlib
+
+    path, module, name, args = pickle.loads(sys.stdin.buffer.read())
+    sys.path[:] = path  # the caller's: its modules import alike
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    result_fd = os.dup(1)
+    os.dup2(2, 1)  # what the function prints goes to stderr; stdout carries the result only
+    result = fn(*args)
+    with os.fdopen(result_fd, "wb") as out:
+        out.write(pickle.dumps(result))
+
+
+if __name__ == "__main__":
+    _child()

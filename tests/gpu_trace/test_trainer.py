@@ -1,0 +1,32 @@
+"""A trainer rank on fake GPUs (qurl_mcore/fakecuda.py): PolicyTrainer built in bf16 at TP=2, DP=4 (rank 1 of
+8 traced; the others exist only in the fake group), stepped through Megatron's DDP with overlap_grad_reduce,
+the optimizer and the metrics reduction, as a GPU rank would be."""
+from __future__ import annotations
+
+import pytest
+
+from qurl_mcore.fakecuda import run_traced
+
+from . import workers
+
+def test_metrics_reduce_on_the_device_over_the_nccl_dp_group():
+    """N2: the step's metrics reach NCCL as device tensors."""
+    out = run_traced(workers.trainer_steps, "qwen3", [], [16])
+    assert out["policy"] and out["peaks"][1] >= out["peaks"][0] > 0
+
+
+def test_steps_with_different_micro_batch_counts_reduce_every_bucket_once():
+    """N1: with overlap_grad_reduce, a step of 2 micro-batches and then one of 1 (dynamic sampling changes the
+    count): the gradient reduce starts after the last micro-batch of each step."""
+    out = run_traced(workers.trainer_steps, "qwen3", [], [16, 8])
+    assert len(out["peaks"]) == 3
+
+
+@pytest.mark.parametrize("arch, rows", [("qwen3", [16]), ("qwen3_moe", [])])
+def test_policy_and_reference_are_on_the_device_in_bf16(arch, rows):
+    """N3: torch-built norms and the router come on the CPU in fp32; the KL reference (never in DDP) and the
+    policy under the plain bf16 optimizer (distributed optimizer off) have every parameter on the GPU in bf16,
+    and a step runs (the MoE is built only: its token dispatch copies data-dependent split sizes to the host,
+    which a fake tensor has no values for)."""
+    out = run_traced(workers.trainer_steps, arch, ["train.kl_coef=0.1", "train.distributed_optimizer=false"], rows)
+    assert out["policy"] == out["reference"] == [("cuda:0", "torch.bfloat16")]
