@@ -17,20 +17,11 @@ from urllib.parse import urlsplit
 import ray
 
 from .batch import Sample, TrainBatch
-from .outcome import RunFailure
+from .outcome import RunFailure, error_line
 from .sampler import EngineFailure
 
 #: seconds a closing actor gets to stop what it runs before it is killed
 CLOSE_TIMEOUT_S = 120
-
-
-def _reason(err: BaseException) -> str:
-    """The cause of a Ray error in one line: the actor's own exception, or how its process ended."""
-    cause = getattr(err, "cause", None)
-    if cause is not None and not isinstance(cause, type(err)):
-        return f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return (lines[-1] if lines else type(err).__name__)[:500]
 
 
 def _close(actors: list, stop: Callable[[Any], Any]) -> None:
@@ -69,7 +60,7 @@ class TrainerGroup:
             except Exception as err:  # noqa: BLE001 - every Ray error of a rank, classified below
                 if isinstance(getattr(err, "cause", None), EngineFailure):
                     raise err.cause from None
-                raise RunFailure(f"trainer rank {rank} failed in {method}: {_reason(err)}; see "
+                raise RunFailure(f"trainer rank {rank} failed in {method}: {error_line(err)}; see "
                                  f"{self.logs}/trainer-{rank}.log") from None
         return [results[rank] for rank in sorted(results)]
 
@@ -145,7 +136,7 @@ class Rollouts:
         except Exception as err:  # noqa: BLE001 - classified below
             if isinstance(getattr(err, "cause", None), EngineFailure):
                 raise err.cause from None
-            raise RunFailure(f"the rollout manager failed in {method}: {_reason(err)}; see "
+            raise RunFailure(f"the rollout manager failed in {method}: {error_line(err)}; see "
                              f"{self.logs}/rollout-manager.log") from None
 
     def endpoints(self) -> list[tuple[str, str | None]]:
@@ -198,7 +189,7 @@ class Rollouts:
             except errors.RayActorError as err:
                 url = self.urls[index] if index < len(self.urls) else ""
                 raise RunFailure(f"rollout engine {index} is gone with its host on node "
-                                 f"{urlsplit(url).hostname or '?'}: {_reason(err)}; bring the node back into the "
+                                 f"{urlsplit(url).hostname or '?'}: {error_line(err)}; bring the node back into the "
                                  "Ray cluster (launch/ray_cluster.sh worker) before resuming") from None
             except Exception:  # noqa: BLE001 - the host answered, with an error of its engine's: it is there
                 break

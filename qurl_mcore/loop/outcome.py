@@ -10,6 +10,7 @@ the stop request a signal turns into.
 """
 from __future__ import annotations
 
+import re
 import signal
 
 EXIT_FINISHED = 0
@@ -17,6 +18,21 @@ EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
 EXIT_STOPPED = 75
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's status for a process SIGINT ended
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # colour codes Ray puts in the errors it relays
+
+
+def error_line(err: BaseException) -> str:
+    """The cause of an actor's (Ray) error in one line, colour codes removed, at most 500 characters: the
+    actor's own exception, or the last line Ray gives for how its process ended."""
+    cause = getattr(err, "cause", None)
+    if cause is not None and not isinstance(cause, type(err)):
+        text = f"{type(cause).__name__}: {cause}"
+        lines = [line.strip() for line in _ANSI.sub("", text).splitlines() if line.strip()][:1]
+    else:
+        lines = [line.strip() for line in _ANSI.sub("", str(err)).splitlines() if line.strip()][-1:]
+    return (lines[0] if lines else type(err).__name__)[:500]
 
 
 class RunFailure(RuntimeError):

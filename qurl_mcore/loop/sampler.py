@@ -30,6 +30,7 @@ from qurl_mcore.transfer import bind_gloo_towards
 
 from .batch import Sample
 from .evaluation import BF16_SUFFIX, samples, sampling, score
+from .outcome import error_line
 from .tracking import redirect_output
 
 
@@ -271,7 +272,7 @@ class RolloutManager:
             except Exception as err:  # noqa: BLE001 - any transport/engine error means this engine must restart
                 if isinstance(getattr(err, "cause", err), RequestRefused):  # a request's own error: no restart
                     raise getattr(err, "cause", err) from None
-                raise EngineFailure(index, f"{type(err).__name__}: {err}"[:2000]) from None
+                raise EngineFailure(index, error_line(err)) from None
         return out
 
     def restart(self, index: int) -> None:

@@ -1,8 +1,8 @@
-"""How a run ends: the stop request a signal turns into."""
+"""How a run ends: the stop request a signal turns into, and an actor's error as one line."""
 import os
 import signal
 
-from qurl_mcore.loop.outcome import StopRequest
+from qurl_mcore.loop.outcome import StopRequest, error_line
 
 
 def test_sigterm_becomes_a_flag():
@@ -14,3 +14,17 @@ def test_sigterm_becomes_a_flag():
         assert stop.requested and stop.signal_name == "SIGTERM"
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_actors_error_is_one_line_without_colour_codes():
+    class RayError(Exception):  # the shape of Ray's errors: a multi-line, coloured text and the actor's cause
+        def __init__(self, text, cause=None):
+            super().__init__(text)
+            self.cause = cause
+
+    died = RayError("\x1b[36mray::EngineHost.generate()\x1b[39m (pid=7, ip=10.0.0.2)\n  File \"x.py\", line 3\n"
+                    "\x1b[31mActorDiedError: the actor died unexpectedly\x1b[0m\n\n")
+    assert error_line(died) == "ActorDiedError: the actor died unexpectedly"
+    raised = RayError("ray::PolicyTrainer.step() ...\nTraceback ...", cause=ValueError("\x1b[1mbad batch\x1b[0m\nmore"))
+    assert error_line(raised) == "ValueError: bad batch"
+    assert len(error_line(RayError("x" * 2000))) == 500
