@@ -17,8 +17,7 @@ from pathlib import Path
 import qurl_mcore
 
 from .align import PROMPTS, REPLAY, ROWS, format_table, run_alignment, stdout_to_stderr
-from .compare import __doc__ as compare_doc
-from .compare import compare, parse_variant
+from .compare import __doc__ as compare_doc, compare, parse_variant
 from .config import ConfigError, load_config
 from .loop import outcome
 from .loop.outcome import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STOPPED, RunFailure
@@ -40,7 +39,7 @@ def _positive(text: str) -> int:
 
 
 def _quant_report(args: argparse.Namespace) -> int:
-    # lazy: torch/Megatron-Core load here, not at `qurl --help`
+    # lazy: loads torch, not at `qurl --help`
     from .quant_report import run
 
     try:
@@ -52,7 +51,7 @@ def _quant_report(args: argparse.Namespace) -> int:
 
 
 def _prepare_models(args: argparse.Namespace) -> int:
-    # lazy: torch/Megatron-Core load here, not at `qurl --help`
+    # lazy: loads torch, not at `qurl --help`
     from .models.smollm2 import hf_checkpoint
     from .models.tiny import ARCHS, tiny_checkpoint
 
@@ -223,7 +222,7 @@ def _export(args: argparse.Namespace) -> int:
                              "factor its run trained with (slime: qurl_uaq_scale), to write it unscaled")
         if not src.exists():
             raise ValueError(f"{src}: no such checkpoint or directory")
-        # lazy: torch/Megatron-Core load here, not at `qurl --help`
+        # lazy: loads torch and Megatron-Core, not at `qurl --help`
         from .export import export_checkpoint
         from .megatron.export import claim_output, unscale_hf_checkpoint
 
