@@ -93,6 +93,7 @@ def check_precisions(names: Iterable[str] | None) -> list[str]:
 
 def default_model() -> Path:
     """The tiny random Qwen3-MoE (2 layers, 4 experts, top-2) with SmolLM2's tokenizer."""
+    # lazy: loads torch; `qurl --help` imports this module for its options
     from .models.tiny import tiny_checkpoint
 
     return tiny_checkpoint("qwen3_moe")
@@ -111,6 +112,7 @@ def prompt_ids(model_path: str, n: int) -> list[list[int]]:
     """The first `n` of `PROMPTS`, tokenized with the checkpoint's tokenizer."""
     if not 1 <= n <= len(PROMPTS):
         raise ValueError(f"prompts must be between 1 and {len(PROMPTS)}, got {n}")
+    # transformers only where a tokenizer is made (seconds to import)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
@@ -121,6 +123,7 @@ def engine_config(method: str | None, model_path: str, *, scope: str = "experts"
                   seed: int = 0, dtype: str = "float32", max_tokens: int = 4096, moe: bool = True) -> EngineConfig:
     """A CPU engine serving `model_path` under `method` (with routed-expert capture for an MoE); fp32
     activations by default, like the trainer, so that only quantization separates the two sides."""
+    # lazy: loads torch; `qurl --help` imports this module for its options
     from .rollout import EngineConfig
 
     options = {} if method is None else {"fmt": fmt, "scope": scope}
@@ -134,6 +137,7 @@ def rollout(method: str | None, model_path: str, prompts: Sequence[Sequence[int]
             moe: bool = True) -> list[Generation]:
     """One sampled response (temperature 1) per prompt from a fresh engine, with behaviour log-probs and
     (MoE) routed experts. The engine is seeded with `seed`, so a rerun samples the same tokens."""
+    # lazy: loads torch; `qurl --help` imports this module for its options
     from .rollout import LocalEngine
 
     longest = max(map(len, prompts)) + max_new_tokens
@@ -147,6 +151,7 @@ def rollout(method: str | None, model_path: str, prompts: Sequence[Sequence[int]
 def training_model(precision: str, model_path: str, *, scope: str = "experts", fmt: str | None = None):
     """A Megatron GPTModel of the checkpoint with the trainer side of `precision` (Megatron must be
     initialised)."""
+    # lazy: torch and Megatron-Core load where the training side runs; `qurl --help` imports this module
     from .megatron.convert import load_hf_weights
     from .megatron.gpt import build_gpt
     from .recipe import resolve
@@ -164,7 +169,7 @@ def paired(model, generations: Sequence[Generation], replay: bool = False) -> di
     Returns `train_logprobs`/`rollout_logprobs` [T] and, for an MoE, `train_experts`/`rollout_experts`
     [T, layers, k].
     """
-    import torch
+    import torch  # lazy: torch and Megatron-Core; `qurl --help` imports this module
 
     from .megatron.logprobs import token_logprobs
     from .megatron.replay import RoutingTaps
@@ -206,6 +211,7 @@ def paired(model, generations: Sequence[Generation], replay: bool = False) -> di
 def metrics(pairs: dict[str, torch.Tensor]) -> dict[str, object]:
     """The alignment metrics of `paired` values (module docstring), plus `topk_match_by_layer`; the top-k
     ones are None for a dense model."""
+    # lazy: torch; `qurl --help` imports this module
     import torch
 
     from .rl.metrics import mean_abs_logprob_diff, prob_pearson, topk_match_fraction, topk_overlap_mean
@@ -225,6 +231,7 @@ def metrics(pairs: dict[str, torch.Tensor]) -> dict[str, object]:
 @contextlib.contextmanager
 def megatron_ready() -> Iterator[None]:
     """Megatron's groups at world size 1 for the duration, unless the caller already started them."""
+    # lazy: Megatron-Core; `qurl --help` imports this module
     from megatron.core import parallel_state
 
     from .megatron.parallel import destroy_parallel, init_parallel

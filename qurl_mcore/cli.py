@@ -1,7 +1,7 @@
 """The `qurl` command line.
 
-Each command imports the project's modules inside its own function, so that `qurl --help` and a command's
-parser load neither torch nor Ray nor Megatron-Core (each takes seconds to import).
+A command imports the modules that load torch, Ray or Megatron-Core (each takes seconds to import) inside its
+own function, so that `qurl --help` and the commands' parsers load none of them.
 """
 from __future__ import annotations
 
@@ -11,7 +11,20 @@ import json
 import os
 import shlex
 import sys
+from importlib import metadata
 from pathlib import Path
+
+import qurl_mcore
+
+from .align import PROMPTS, REPLAY, ROWS, format_table, run_alignment, stdout_to_stderr
+from .compare import __doc__ as compare_doc, compare, parse_variant
+from .config import ConfigError, load_config
+from .loop import outcome
+from .loop.outcome import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STOPPED, RunFailure
+from .models import resolve_model_path
+from .patching import TARGETS, PatchError, PatchSet
+from .precision import FP4_FORMATS, PRECISIONS, SCOPES
+from .slurm import SlurmJob, render, submit
 
 
 def _positive(text: str) -> int:
@@ -26,6 +39,7 @@ def _positive(text: str) -> int:
 
 
 def _quant_report(args: argparse.Namespace) -> int:
+    # lazy: loads torch, not at `qurl --help`
     from .quant_report import run
 
     try:
@@ -37,6 +51,7 @@ def _quant_report(args: argparse.Namespace) -> int:
 
 
 def _prepare_models(args: argparse.Namespace) -> int:
+    # lazy: loads torch, not at `qurl --help`
     from .models.smollm2 import hf_checkpoint
     from .models.tiny import ARCHS, tiny_checkpoint
 
@@ -47,12 +62,6 @@ def _prepare_models(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-
-    from .config import ConfigError, load_config
-    from .loop.outcome import (EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STOPPED,
-                               RunFailure)
-    from .preflight import preflight
-
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -60,6 +69,8 @@ def _train(args: argparse.Namespace) -> int:
         return EXIT_BAD_CONFIG
     where = args.config or "the default config"
     if args.check:
+        from .preflight import preflight  # lazy: loads torch, not at `qurl --help`
+
         try:
             checked = preflight(cfg, local=not (args.address or os.environ.get("RAY_ADDRESS")) and not args.gpu,
                                 gpu=args.gpu)
@@ -73,7 +84,7 @@ def _train(args: argparse.Namespace) -> int:
         return EXIT_FINISHED
     again = shlex.join(["qurl", "train", *sys.argv[2:]]) if sys.argv[1:2] == ["train"] else "the same command"
     try:
-        from .loop.driver import run
+        from .loop.driver import run  # lazy: loads torch and Ray, not at `qurl --help`
 
         result = run(cfg, address=args.address)
     except ConfigError as err:
@@ -96,9 +107,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _patch(args: argparse.Namespace) -> int:
-
-    from .patching import TARGETS
-
     if args.target is None and args.action != "status":
         print(f"qurl patch {args.action}: give --target, one of {sorted(TARGETS)}")
         return 2
@@ -107,8 +115,6 @@ def _patch(args: argparse.Namespace) -> int:
 
 
 def _patch_target(args: argparse.Namespace, target: str) -> int:
-    from .patching import PatchError, PatchSet
-
     try:
         ps = PatchSet.installed(target, Path(args.patches) if args.patches else None)
         where = f"{ps.target.dist} {ps.version} at {ps.root}"
@@ -131,8 +137,6 @@ def _patch_target(args: argparse.Namespace, target: str) -> int:
 
 
 def _launch_slurm(args: argparse.Namespace) -> int:
-    from .slurm import SlurmJob, render, submit
-
     bad = [item for item in args.env if "=" not in item]
     if bad:
         print(f"qurl launch slurm: --env takes KEY=VALUE, got {bad}")
@@ -190,9 +194,6 @@ def _add_launch(sub) -> None:
 
 
 def _align(args: argparse.Namespace) -> int:
-
-    from .align import format_table, run_alignment, stdout_to_stderr
-
     precisions = [r for item in args.precisions for r in item.split(",") if r] if args.precisions else None
     try:
         with stdout_to_stderr():  # engine logs to stderr, the result alone to stdout
@@ -221,6 +222,7 @@ def _export(args: argparse.Namespace) -> int:
                              "factor its run trained with (slime: qurl_uaq_scale), to write it unscaled")
         if not src.exists():
             raise ValueError(f"{src}: no such checkpoint or directory")
+        # lazy: loads torch and Megatron-Core, not at `qurl --help`
         from .export import export_checkpoint
         from .megatron.export import claim_output, unscale_hf_checkpoint
 
@@ -235,9 +237,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-
-    from .config import ConfigError, load_config
-    from .sizing import format_plan, model_config, size_run
+    from .sizing import format_plan, model_config, size_run  # lazy: loads torch, not at `qurl --help`
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -266,11 +266,6 @@ def _add_plan(sub) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
-
-    from .compare import compare, parse_variant
-    from .config import ConfigError
-    from .loop.outcome import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED
-
     # key=value among the configs are overrides, as every command takes them; --set too
     overrides = [*(item for item in args.configs if "=" in item), *args.set]
     try:
@@ -291,11 +286,9 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _add_compare(sub) -> None:
-    from .compare import __doc__ as doc
-
     p = sub.add_parser("compare", help="several configs x seeds, --jobs at once; curves with their spread and a "
                                        "final table (docs/studies.md)",
-                       description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=compare_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("configs", nargs="+", metavar="CONFIG[:LABEL] | key=value",
                    help="qurl train YAML files (partial ones with --base; LABEL defaults to the file name), and "
                         "overrides for every run, e.g. steps=4")
@@ -314,10 +307,7 @@ def _add_compare(sub) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-
-    from .config import ConfigError, load_config
-    from .loop.evaluation import evaluate_model
-    from .models import resolve_model_path
+    from .loop.evaluation import evaluate_model  # lazy: loads torch, not at `qurl --help`
 
     flags = {"precision": args.precision, "eval.n": args.n, "eval.temperature": args.temperature,
              "eval.num_prompts": args.num_prompts}
@@ -350,8 +340,6 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _add_eval(sub) -> None:
-    from .precision import PRECISIONS
-
     p = sub.add_parser("eval", help="held-out accuracy of an HF checkpoint served by one engine of a precision "
                                     "(pass@1 greedy, mean@n sampled)")
     p.add_argument("--model", required=True, help="HF checkpoint directory (e.g. a run's checkpoint.dir/hf)")
@@ -371,9 +359,6 @@ def _add_eval(sub) -> None:
 
 
 def _add_align(sub) -> None:
-    from .align import PROMPTS, REPLAY, ROWS
-    from .precision import FP4_FORMATS, PRECISIONS, SCOPES
-
     p = sub.add_parser("align", help="train-vs-rollout alignment per precision (MoEResQ Table 2; top-k "
                        "expert metrics for an MoE)")
     p.add_argument("--model", help="HF checkpoint directory, 'smollm2' or 'tiny-<arch>', as model.path "
@@ -394,10 +379,6 @@ def _add_align(sub) -> None:
 def version() -> str:
     """The installed distribution's version, else (a checkout on PYTHONPATH) the package's own, which setup.py
     reads too; with where the package is, since a checkout can shadow an installed copy."""
-    from importlib import metadata
-
-    import qurl_mcore
-
     try:
         number = metadata.version("qurl-mcore")
     except metadata.PackageNotFoundError:
@@ -416,8 +397,6 @@ def main(argv: list[str] | None = None) -> int:
     rep.set_defaults(func=_quant_report)
     prep = sub.add_parser("prepare-models", help="convert/generate the cached test and demo checkpoints")
     prep.set_defaults(func=_prepare_models)
-    from .loop import outcome
-
     tr = sub.add_parser("train", help="run the QuRL loop: SGLang rollout, Megatron training, weights back each step",
                         epilog="exit codes:\n" + outcome.__doc__.split("\n\n", 1)[1],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -429,8 +408,6 @@ def main(argv: list[str] | None = None) -> int:
                                   "this machine's)")
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-6 precision=fp8")
     tr.set_defaults(func=_train)
-    from .patching import TARGETS
-
     pat = sub.add_parser("patch", help="pinned source patch sets for installed packages (docs/patches.md)")
     pat.add_argument("action", choices=["apply", "check", "revert", "status"],
                      help="check exits 1 unless every pinned patch is applied")

@@ -144,6 +144,7 @@ def parse_variant(text: str) -> Variant:
 def as_overrides(data: Mapping) -> list[str]:
     """A (partial) config mapping as `key=value` overrides: a string that YAML reads back as itself as it is,
     any other value in JSON (which YAML reads)."""
+    # lazy: PyYAML only where overrides are written; `qurl --help` imports this module
     import yaml
 
     def text(value) -> str:
@@ -304,9 +305,11 @@ def _records(runs: Sequence[Run]) -> dict[str, dict[int, list[dict]]]:
 def plot(records: Mapping[str, Sequence[Sequence[Mapping]]], path: Path) -> list[str]:
     """curves.png: a panel per metric some run logged, each label's mean with its min-max band over seeds.
     Returns the metrics plotted."""
+    # matplotlib (slow to import, optional) only where a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # pyplot after use("Agg"): it picks its backend when first imported
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 

@@ -154,6 +154,7 @@ class Config:
 
     def train_dtype(self, cuda: bool | None = None):
         """The trainer's parameter dtype: `train.dtype`, where auto is bf16 with CUDA and fp32 without."""
+        # lazy: torch; `qurl --help` imports this module
         import torch
 
         cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -162,6 +163,7 @@ class Config:
 
     def distributed_optimizer(self, cuda: bool | None = None) -> bool:
         """Whether the trainer shards its optimizer state over data-parallel ranks (auto: on with CUDA)."""
+        # lazy: torch; `qurl --help` imports this module
         import torch
 
         cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -171,6 +173,7 @@ class Config:
     def offload_rollout(self, cuda: bool | None = None) -> bool:
         """Whether engines release their GPU memory (weights, KV cache, CUDA graphs) while the trainer steps and
         take it back for the push and the rollout (auto: colocated on GPUs, where the two share each device)."""
+        # lazy: torch; `qurl --help` imports this module
         import torch
 
         cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -185,6 +188,7 @@ class Config:
     def recipe(self):
         """The `qurl_mcore.recipe.Recipe` of precision, scope and FP4 format, for the process that builds a
         model with it (it imports torch, which the schema and `qurl plan` do without)."""
+        # lazy: recipe.py loads torch; `qurl --help` imports this module
         from qurl_mcore.recipe import resolve
 
         p, scope, fmt = self.resolved_precision()
@@ -304,6 +308,7 @@ def _build(cls, data: dict, prefix: str, errors: list[str]):
 
 def _parse_yaml(text: str) -> tuple[Any, str | None]:
     """(the value, None), or (None, why `text` is not YAML, with the line and column where it stops)."""
+    # lazy: PyYAML only where a YAML file is read; `qurl --help` imports this module
     import yaml
 
     try:

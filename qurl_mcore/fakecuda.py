@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import os
 import pickle
 import subprocess
@@ -51,6 +52,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import (FakeTensor, FakeTensorMode, UnsupportedOperatorException,
                                            unset_fake_temporarily)
 from torch.overrides import TorchFunctionMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
@@ -392,8 +394,6 @@ def fake_cuda(devices: int = 1, *, world_size: int = 1, rank: int = 0, gpu: str 
     """Trace on `devices` fake GPUs of kind `gpu` (`GPUS`), current device `device`, as rank `rank` of a
     `cuda:fake` process group of `world_size` ranks. Yields the `Trace` of CUDA bytes alive (module docstring
     says what the façade catches and what it cannot). Needs a process started by `run_traced`."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if gpu not in GPUS:
         raise ValueError(f"unknown gpu {gpu!r}; use one of {sorted(GPUS)}")
     if not 1 <= devices <= MAX_DEVICES:
@@ -503,8 +503,6 @@ def run_traced(fn: Callable[..., Any], *args: Any, timeout: float = 600.0) -> An
 
 
 def _child() -> None:
-    import importlib
-
     path, module, name, args = pickle.loads(sys.stdin.buffer.read())
     sys.path[:] = path  # the caller's: its modules import alike
     fn = importlib.import_module(module)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .models.smollm2 import load_tensor
 from .quant import WEIGHT_BLOCK, PerBlock, PerRow, QTensor, fake_quantize, quantize, residual_fake_quantize
 
 #: (format, granularity) pairs worth comparing on a weight: W8 per channel as QuRL rolls out, 8-bit 128x128
@@ -57,8 +58,6 @@ def format_table(rows: list[Row], title: str) -> str:
 
 
 def run(tensor: str, rows: int | None, as_json: bool) -> str:
-    from .models.smollm2 import load_tensor
-
     w = load_tensor(tensor, rows)
     result = measure(w)
     if as_json:

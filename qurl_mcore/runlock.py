@@ -35,6 +35,7 @@ class DirectoryInUse(ConfigError):
 
 def _started(pid: int) -> float | None:
     """The start time of process `pid`, or None if there is none."""
+    # psutil: SGLang's requirement, not qurl-mcore's; only this check uses it
     import psutil
 
     try:

@@ -15,6 +15,9 @@ import subprocess
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from .config import ConfigError, load_config
+from .placement import placement_of
+
 LAYOUTS = ("colocated", "disaggregated")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 TEMPLATE = Path(__file__).resolve().parent.parent / "launch" / "slurm" / "job.sbatch.j2"
@@ -157,14 +160,10 @@ class SlurmJob:
         return [*dirs, *([f"layout={self.layout}"] if self.layout else []), *self.overrides]
 
     def _load(self):
-        from .config import load_config
-
         return load_config(self.config if Path(self.config).is_file() else None, self._train_overrides())
 
     def _config(self):
         """The config with the job's overrides (None when it does not load: `validate` says why)."""
-        from .config import ConfigError
-
         try:
             return self._load()
         except ConfigError:
@@ -174,7 +173,7 @@ class SlurmJob:
         """The run as `qurl train --check` and `qurl plan` check it (a resolved job): the config with the job's
         overrides (schema, types, ranges: a typo fails here, not on the cluster), the rules between fields, the
         model, the memory on `gpu`, and the config's placement on the job's nodes."""
-        from .config import ConfigError
+        # lazy: loads torch; `qurl --help` imports this module
         from .preflight import preflight
 
         try:
@@ -196,8 +195,6 @@ class SlurmJob:
     def _nodes_needed(self, cfg) -> tuple[int, int]:
         """(training nodes, rollout nodes) the config's placement (`placement.placement_of`) fills on nodes of
         this job's GPUs and CPUs; colocated: (nodes, 0). Raises ValueError when a bundle fits no node."""
-        from .placement import placement_of
-
         use_gpu = self.gpus_per_node > 0
         p = placement_of(cfg, use_gpu)
         node = {"CPU": self.cpus_per_node, **({"GPU": self.gpus_per_node} if use_gpu else {})}
@@ -239,6 +236,7 @@ class SlurmJob:
 
 def render(job: SlurmJob) -> str:
     """The sbatch script for `job` (validated, with defaults resolved)."""
+    # lazy: keeps `qurl --help` fast, which imports this module
     import jinja2
 
     job.validate()

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import socket
 from typing import Any, Iterable, Iterator
@@ -66,8 +67,6 @@ def bind_stores_to_their_address() -> None:
     ranks reach it at (127.0.0.1 for a local group, the node's interface for a group across nodes) instead
     of on every interface, which is torch's default: a colocated run then opens nothing beyond loopback.
     Idempotent; applied in the trainer's processes and, through the SGLang plugin, in every engine process."""
-    import importlib
-
     rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the package shadows it by a function
     original = rendezvous._create_c10d_store
     if getattr(original, "_qurl_bound", False):
@@ -106,6 +105,7 @@ def bind_gloo_towards(peer: str) -> str | None:
     GLOO_SOCKET_IFNAME is set already."""
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return None
+    # psutil: SGLang's requirement, not qurl-mcore's; only this choice of interface uses it
     import psutil
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:

@@ -29,6 +29,7 @@ from qurl_mcore.precision import Precision, select
 from qurl_mcore.recipe import resolve
 from qurl_mcore.rl import metrics as M
 from qurl_mcore.rl.losses import policy_loss
+from qurl_mcore.sglang.options import QurlOptions
 
 #: slime flags ACR cannot honour -> the fix; checked before every loss (a custom loss skips the code they drive)
 REFUSED_FLAGS = {
@@ -72,6 +73,7 @@ def acr_loss(args: Namespace, batch: dict, logits: Tensor,
     micro-batches and ranks, then divide: observability/train_metric_utils.py:45-59) gives their mean weighted
     as the loss weighs tokens.
     """
+    # slime's own modules: this module is a plugin that slime loads
     from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs
 
     check_loss_args(args)
@@ -154,8 +156,6 @@ def precision_of(args: Namespace) -> tuple[Precision, str, str | None]:
     """(precision row, scope, format) from the YAML keys on slime's args, checked against what the engines
     run (`sglang_quantization` and the quantization_config of `sglang_json_model_override_args`), as our own
     loop refuses to train when trainer and engines disagree."""
-    from qurl_mcore.sglang.options import QurlOptions
-
     name = getattr(args, "qurl_precision", None)
     if name is None:
         raise ValueError("qurl_precision is not set: put e.g. 'qurl_precision: int8' (a row of "
@@ -180,6 +180,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     backends/megatron_utils/model_provider.py:97-110). Builds `gpt_model` from Megatron's global args and the
     TransformerConfig slime's default provider derives from them, and teaches slime's weight converters the
     names our spec gives its parameters (`te_name`)."""
+    # Megatron's training arguments: only inside slime's Megatron actor
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
@@ -196,6 +197,7 @@ def gpt_model(args: Namespace, config, *, pre_process: bool = True, post_process
     slime's default provider passes (model_provider.py:200-214). slime packs a micro-batch's sequences into one
     THD row (backends/megatron_utils/data.py:93-104), which of Megatron's core attentions only Transformer
     Engine's takes, so that one is used when installed (Megatron's local one otherwise, e.g. on a CPU)."""
+    # Megatron-Core: only inside slime's Megatron actor, where the model is built
     from megatron.core.models.gpt import GPTModel
 
     from qurl_mcore.megatron.spec import gpt_spec
@@ -212,6 +214,7 @@ def gpt_model(args: Namespace, config, *, pre_process: bool = True, post_process
                          "--expert-model-parallel-size 1")
     spec = gpt_spec(config, resolve(p.name, scope, fmt))
     if importlib.util.find_spec("transformer_engine") is not None:
+        # Transformer Engine only where it is installed (absent on CPUs)
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
         for layer in {id(s): s for s in spec.layer_specs}.values():
@@ -245,6 +248,7 @@ def te_name(name: str) -> str:
 def _teach_converters() -> None:
     """Route slime's conversion to HF names (megatron_to_hf/__init__.py:41, looked up at each call by
     `convert_to_hf`) through `te_name`. Idempotent."""
+    # slime's own modules: this module is a plugin that slime loads
     from slime.backends.megatron_utils import megatron_to_hf
 
     core = megatron_to_hf._convert_to_hf_core
@@ -272,6 +276,7 @@ def uaq_hook(args: Namespace, rollout_id: int, step_id: int, model: Sequence[tor
     (`reload_model_params`), else its next step would write the unscaled weights back. The rollout before the
     first step used the unscaled weights: the same function, so nothing is lost; slime's next weight push
     sends the scaled ones (train.py:85)."""
+    # Megatron-Core (qurl_mcore.megatron): only inside slime's Megatron actor
     from qurl_mcore.megatron import apply_uaq
 
     if getattr(model[0], "role", "actor") != "actor" or getattr(model[0], "qurl_uaq_scale", None) is not None:

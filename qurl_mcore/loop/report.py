@@ -21,9 +21,11 @@ PANELS = [
 
 def write_report(metrics_path: str | Path, out_dir: str | Path) -> Path:
     """Plot every panel that has data; returns the HTML file's path."""
+    # matplotlib (slow to import, optional) only where the report's figures are drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # pyplot after use("Agg"): it picks its backend when first imported
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path)

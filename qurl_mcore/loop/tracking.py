@@ -41,6 +41,7 @@ def warnings_to_file(path: str | Path) -> logging.Handler:
 
 class MetricsLog:
     def __init__(self, log_dir: str | Path, *, wandb_project: str = "", run_config: dict | None = None):
+        # lazy: loads torch; `qurl --help` imports this module (through compare.py)
         from torch.utils.tensorboard import SummaryWriter
 
         self.dir = Path(log_dir)

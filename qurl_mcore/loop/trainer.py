@@ -64,6 +64,7 @@ class PolicyTrainer:
             redirect_output(log_file)
         from qurl_mcore.megatron import apply_uaq, build_gpt, init_parallel, load_hf_weights
         from qurl_mcore.megatron.gpt import load_hf_config
+        # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron.parallel import current_device
         from qurl_mcore.megatron.training import build_training
 
@@ -149,6 +150,7 @@ class PolicyTrainer:
     def _forward_only(self, model, part: TrainBatch, replay: bool = False) -> torch.Tensor:
         """Log-probs of `part` under `model`, no gradient, through the same schedule (pipeline stages); the
         policy's routing replayed or measured (`_route`)."""
+        # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron.logprobs import logprobs_from_logits, model_inputs
         from qurl_mcore.megatron.training import forward_only
 
@@ -173,6 +175,7 @@ class PolicyTrainer:
     def _loss_forward(self, model_chunk, micro):
         """One micro-batch of the training forward: the logits, and the loss function the schedule calls on
         them, which returns (loss × units, units, metrics)."""
+        # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron.logprobs import logprobs_from_logits, model_inputs
 
         t = self.cfg.train
@@ -207,6 +210,7 @@ class PolicyTrainer:
         """`train.mini_batches` optimizer steps on the policy loss (module docstring). π_ref (KL term on) is a
         no-grad pass of the frozen reference. Returns metrics; an update whose loss or gradient is not finite
         is skipped (`train/skipped_nonfinite`: the fraction of this batch's updates skipped)."""
+        # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron.training import forward_backward
         from qurl_mcore.megatron.training import step as optimizer_step
 
@@ -327,6 +331,7 @@ class PolicyTrainer:
 
     def _capture_after(self, capture) -> float:
         """Share of rollout-quantized weight codes this update changed (this rank's shards)."""
+        # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron import quantized_weights
 
         spec, before = capture
@@ -338,6 +343,7 @@ class PolicyTrainer:
 
     def quantized_linears(self) -> set[str]:
         """HF module names of the linears this rank's model quantizes (the loop checks them)."""
+        # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron import quantized_linears
 
         return quantized_linears(self.model, self.hf)
@@ -372,6 +378,7 @@ class PolicyTrainer:
         """The HF-named export of this rank's weights, bucket by bucket in rollout.dtype (UAQ-scaled when UAQ is
         on: the trainer's parameters already are); each bucket is gathered just before it goes out. Drained on
         exit, also after a failure: the export gathers shards from every rank (collective)."""
+        # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron import export_hf_weights
 
         r = self.cfg.rollout
@@ -442,6 +449,7 @@ class PolicyTrainer:
                              f"train.tp_size/pp_size/ep_size it was written with, or start anew in another "
                              f"checkpoint.dir ({mismatch})")
         self.model.load_state_dict(state["model"])
+        # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron.training import load_optimizer_state
 
         load_optimizer_state(self.stack, state["optimizer"])
@@ -453,6 +461,7 @@ class PolicyTrainer:
 
     def export_hf(self, out_dir: str) -> str | None:
         """Collective: the model as an HF checkpoint in `out_dir` (UAQ undone), written by rank 0."""
+        # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron.export import write_hf_checkpoint
 
         out = write_hf_checkpoint(self.model, self.hf_dir, out_dir,
@@ -469,6 +478,7 @@ class PolicyTrainer:
             torch.cuda.empty_cache()
 
     def close(self) -> None:
+        # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron import destroy_parallel
 
         self.close_weight_group()

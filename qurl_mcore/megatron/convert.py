@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from qurl_mcore.models.registry import architecture, slots
 from qurl_mcore.models.slots import Slot, pattern
@@ -117,8 +119,6 @@ def _fill(template: str, layer: int | None, expert: int | None) -> str:
 
 def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF checkpoint directory (its *.safetensors files)."""
-    from safetensors.torch import load_file
-
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -151,8 +151,6 @@ class _Checkpoint:
     owns (safetensors slices are read from the memory-mapped file, not the whole tensor)."""
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {path}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 
 import torch
@@ -32,6 +33,7 @@ def _current_device() -> None:
 def _rng_tracker() -> None:
     """The "CUDA" RNG of megatron's RNG tracker is the CPU generator. The tracker is needed even without
     dropout (DotProductAttention always forks it), and it seeds and saves CUDA generator states."""
+    # the module a fix patches, imported only when the fix applies (a GPU applies GPU_FIXES alone)
     import megatron.core.tensor_parallel.random as mrandom
 
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
@@ -45,6 +47,7 @@ def _rng_tracker() -> None:
 def _te_general_gemm() -> None:
     """moe_utils.te_general_gemm = None. megatron-core 0.16.x defines that name only when Transformer Engine
     imports, yet the router's gating linear reads it unconditionally (NameError without TE)."""
+    # the module a fix patches, imported only when the fix applies
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -76,6 +79,7 @@ def _streams() -> None:
     stream and synchronizes on its events, and a no-op torch.cuda.synchronize for the pipeline's p2p
     communication; on CPU there is nothing to overlap or wait for. The dispatcher's shared side
     stream is preset (torch.cuda.Stream itself stays a class: other libraries use it in annotations)."""
+    # the module a fix patches, imported only when the fix applies
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     stream = _NoopStream()
@@ -89,6 +93,7 @@ def _split_sizes_as_numpy() -> None:
     """maybe_move_tensor_to_cpu(t, as_numpy=True) also converts CPU tensors. The alltoall dispatcher (EP > 1)
     relies on it to turn split sizes into numpy for all_to_all_single, but it converts only CUDA tensors;
     a CPU tensor as split sizes makes torch.distributed raise TypeError."""
+    # the modules a fix patches, imported only when the fix applies
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
@@ -107,6 +112,7 @@ def _split_sizes_as_numpy() -> None:
 def _causal_masks() -> None:
     """Default causal and sliding-window masks built on the CPU. With attention_mask=None the torch softmax
     path builds them with device="cuda"."""
+    # the modules a fix patches, imported only when the fix applies
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.transformer.utils as transformer_utils
 
@@ -157,8 +163,6 @@ def _cuda_devices() -> None:
     allocate with a literal device="cuda" in about a dozen places; on a machine without CUDA that device is
     the CPU. Each of those modules reads a `torch` whose factory functions say so (`_TorchOnCpu`); the model's
     own operations are untouched (no per-operation cost)."""
-    import importlib
-
     for name in _CUDA_ALLOCATING:
         module = importlib.import_module(name)
         module.torch = _TorchOnCpu(torch)
@@ -167,6 +171,7 @@ def _cuda_devices() -> None:
 def _clip_grads() -> None:
     """clip_grad_by_total_norm_fp32 asserts grads of type torch.cuda.FloatTensor (the only other CUDA-type
     check on the fp32 path); the same scaling, g *= max_norm / (total_norm + 1e-6) when below 1, without it."""
+    # the modules a fix patches, imported only when the fix applies
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
 

@@ -35,6 +35,7 @@ from .spec import as_recipe, gpt_spec
 def load_hf_config(hf: Any):
     """An HF config from a config object or a checkpoint directory; its model_type must be supported."""
     if isinstance(hf, (str, Path)):
+        # transformers only where an HF config is read (seconds to import)
         from transformers import AutoConfig
 
         hf = AutoConfig.from_pretrained(hf)

@@ -39,10 +39,12 @@ def linear_group(param_name: str) -> str | None:
 def quantized_linears(model, hf_config) -> set[str]:
     """HF module names (without `.weight`) of the linears this rank's `model` quantizes: the ones built
     from a quantized spec (`gpt_spec`), compare `qurl_mcore.precision.quantized_linears`."""
+    # here, not at the top: convert.py imports gpt.py, which imports this module
     from .convert import hf_names
 
     kinds: tuple[type, ...] = (QuantColumnParallelLinear, QuantRowParallelLinear)
     if te_fp8_available():
+        # Transformer Engine only when it runs the GEMMs (absent on CPUs)
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
 
         kinds += (TEColumnParallelLinear, TERowParallelLinear)

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
 @dataclass
@@ -36,10 +40,6 @@ def build_training(model: torch.nn.Module, *, lr: float, weight_decay: float = 0
                    distributed_optimizer: bool = False, overlap_grad_reduce: bool = False) -> TrainingStack:
     """Wrap `model` (a GPTModel whose config has `calculate_per_token_loss=True`) in Megatron's DDP and build
     its optimizer. bf16 parameters get fp32 main weights and fp32 gradient reduction."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     config = model.config
     if not config.calculate_per_token_loss:
         raise ValueError("build the model with calculate_per_token_loss=True: the loss functions return sums")
@@ -67,8 +67,6 @@ def forward_backward(stack: TrainingStack, micro_batches: list, forward: Callabl
     with loss_func(output) -> (loss_sum, units, metrics dict). Returns the metrics dicts (on the last pipeline
     stage; empty lists elsewhere). Gradients accumulate into the DDP buffers, reduced and divided by the total
     units at the end (finalize_model_grads)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     def step_func(data_iterator, model):
         return forward(model, next(data_iterator))
 
@@ -86,8 +84,6 @@ def forward_only(model: torch.nn.Module, micro_batches: list, forward: Callable,
     """The schedule without backward over `micro_batches` of any model (no DDP needed): `forward(model,
     micro_batch)` returns (model output, collect) and the result is the list of collect(output) values (on the
     last pipeline stage; an empty list elsewhere)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     def step_func(data_iterator, model_chunk):
         output, collect = forward(model_chunk, next(data_iterator))
         return output, lambda out: (torch.zeros((), device=out.device), {"value": collect(out)})
@@ -103,8 +99,6 @@ def forward_only(model: torch.nn.Module, micro_batches: list, forward: Callable,
 def step(stack: TrainingStack, clip_grad: float, skip: bool = False) -> tuple[float, bool]:
     """Clip and apply the accumulated gradients. Returns (gradient norm, skipped): the update is skipped when
     the norm (or `skip`, e.g. a non-finite loss) says so, leaving weights and optimizer state untouched."""
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
     optimizer = stack.optimizer
     found_inf = optimizer.prepare_grads()
     grad_norm = float(optimizer.get_grad_norm())
@@ -117,7 +111,7 @@ def step(stack: TrainingStack, clip_grad: float, skip: bool = False) -> tuple[fl
         for sub in _optimizers(optimizer):  # dense and expert parameters may have optimizers of their own
             params = sub.get_parameters()
             if params:
-                clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm)
+                clip_grads.clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm)
     optimizer.step_with_ready_grads()
     return grad_norm, False
 

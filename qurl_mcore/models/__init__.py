@@ -19,10 +19,12 @@ def resolve_model_path(path: str) -> Path:
     """`model.path` as an HF checkpoint directory; "smollm2" is the packaged SmolLM2-135M-Instruct and
     "tiny-<arch>" a tiny random model (tests)."""
     if path == "smollm2":
+        # lazy: loads torch; `qurl --help` imports this package
         from qurl_mcore.models.smollm2 import hf_checkpoint
 
         return hf_checkpoint()
     if path.startswith("tiny-"):
+        # lazy: loads torch; `qurl --help` imports this package
         from qurl_mcore.models.tiny import tiny_checkpoint
 
         return tiny_checkpoint(path.removeprefix("tiny-"))

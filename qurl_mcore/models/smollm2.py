@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
+from . import cache_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The tied embedding / output matrix [49152, 576]; stored as Q8_0, the closest to the original BF16 weights.
@@ -43,15 +48,10 @@ def hf_checkpoint(refresh: bool = False) -> Path:
     """An HF-format BF16 checkpoint of SmolLM2-135M-Instruct (LlamaForCausalLM + tokenizer), converted once
     from the GGUF by transformers and cached. The conversion writes to a temporary directory and renames it,
     so an interrupted run never leaves a half-written checkpoint behind."""
-    import shutil
-    import tempfile
-
-    from . import cache_dir
-
     out = cache_dir() / "smollm2-135m-instruct-bf16"
     if (out / "model.safetensors").is_file() and not refresh:
         return out
-    from safetensors.torch import save_file
+    # transformers only where a checkpoint is made (seconds to import)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = gguf_path()

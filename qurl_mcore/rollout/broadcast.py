@@ -52,6 +52,7 @@ class WeightSender:
         """Create the group as rank 0, hosting its TCP rendezvous at master_addr:master_port (an address the
         engines reach); blocks until all `world_size` ranks joined. `timeout` (s) bounds every later
         broadcast too."""
+        # SGLang only where a weight group opens: the rollout client imports without it
         from sglang.srt.utils import init_custom_process_group
 
         backend = backend or comm_backend()

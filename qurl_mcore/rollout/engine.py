@@ -24,6 +24,9 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
+import torch
+from safetensors import safe_open
+
 from qurl_mcore.transfer import NamedTensor, buckets, dtype_name
 
 from .engine_config import EngineConfig
@@ -76,8 +79,6 @@ def bucket_spec(bucket: Iterable[NamedTensor]) -> list[tuple[str, str, list[int]
 def _checkpoint_shapes(model_path: str) -> dict[str, list[int]] | None:
     """HF tensor name -> shape from the safetensors headers of a checkpoint (no tensor data is read); None
     when the directory holds no safetensors files."""
-    from safetensors import safe_open
-
     shapes: dict[str, list[int]] = {}
     files = sorted(Path(model_path).glob("*.safetensors"))
     for f in files:
@@ -206,8 +207,6 @@ class RolloutEngine(ABC):
 
     def _checked(self, bucket_specs: Iterable[BucketSpec]) -> Iterator[BucketSpec]:
         """The buckets of `bucket_specs` one by one, each validated before it is handed on."""
-        import torch
-
         if self._shapes is None:
             self._shapes = _checkpoint_shapes(self.config.model_path) or {}
         for bucket in bucket_specs:

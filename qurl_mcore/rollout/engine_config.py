@@ -6,12 +6,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from qurl_mcore.sglang.options import QurlOptions
 
 
 def _default_device() -> str:
-    import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -15,6 +15,9 @@ import sys
 import tempfile
 import time
 
+import requests
+import torch.multiprocessing as mp
+
 from qurl_mcore.transfer import free_port
 
 from .engine_config import EngineConfig
@@ -77,8 +80,6 @@ class HttpEngine(RolloutEngine):
         return engine
 
     def _wait_ready(self, timeout: float) -> None:
-        import requests
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
@@ -92,8 +93,6 @@ class HttpEngine(RolloutEngine):
         raise TimeoutError(f"SGLang server at {self.url} not ready after {timeout:.0f} s; log: {self.log_path}")
 
     def _post(self, endpoint: str, payload: dict):
-        import requests
-
         r = requests.post(f"{self.url}/{endpoint}", json=payload, headers=self._headers, timeout=self.timeout)
         if r.status_code == 400:  # SGLang reports refused control calls as 400 with {"success": false, ...}
             return r.json()
@@ -105,7 +104,7 @@ class HttpEngine(RolloutEngine):
 
     def _control(self, call, **kwargs):
         if call == "update_weights_from_tensor":
-            import torch.multiprocessing as mp
+            # SGLang's serializer only where weights go by CUDA IPC: the client imports without SGLang
             from sglang.srt.utils import MultiprocessingSerializer
 
             # CPU storages travel as named shared-memory files: the default (file descriptors handed over by
@@ -121,8 +120,6 @@ class HttpEngine(RolloutEngine):
         return self._post(call, kwargs)
 
     def model_info(self) -> dict:
-        import requests
-
         r = requests.get(f"{self.url}/model_info", headers=self._headers, timeout=self.timeout)
         r.raise_for_status()
         return r.json()

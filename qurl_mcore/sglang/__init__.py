@@ -15,11 +15,13 @@ def register() -> None:
     """Add the qurl methods to SGLang's registries and its `--quantization` choices, complete the CPU engine
     (cpu.py), give an SGLang without weight-update sessions one per update call (session.py), and bind the
     process's rendezvous stores to their address (transfer.py). Idempotent."""
+    # SGLang only when it loads the plugin: the client imports .options without SGLang
     from sglang.srt.layers import quantization as q
     from sglang.srt.server_args import QUANTIZATION_CHOICES  # where 0.5.15 (slime's image) and 0.5.23 both have it
 
     from qurl_mcore.transfer import bind_stores_to_their_address
 
+    # these import SGLang: only once SGLang loads the plugin (the client imports .options alone)
     from . import cpu, session
     from .quant_config import CONFIGS
 

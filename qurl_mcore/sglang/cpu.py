@@ -7,6 +7,7 @@ DMA from pinned memory, and CPU-only torch cannot pin at all, so the "cpu" entry
 from __future__ import annotations
 
 import torch
+from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 
 
 def _alloc_unpinned(dims: tuple, dtype: torch.dtype, device: str, pin_memory: bool, allocator,
@@ -19,6 +20,4 @@ def _alloc_unpinned(dims: tuple, dtype: torch.dtype, device: str, pin_memory: bo
 
 def register() -> None:
     """Use unpinned host buffers for engines with device="cpu" (GPU engines never look up this key)."""
-    from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
-
     ALLOC_MEMORY_FUNCS.setdefault("cpu", _alloc_unpinned)

@@ -23,6 +23,7 @@ def available(spec: FormatSpec, device: torch.device) -> bool:
     if SGLANG_W8A8 not in spec.kernels or device.type != "cuda":
         return False
     if spec.family is Family.FP8:
+        # SGLang only where an engine runs: preflight imports this module without it
         from sglang.srt.layers.quantization.fp8_utils import cutlass_fp8_supported
 
         return bool(cutlass_fp8_supported())  # its per-token x per-channel epilogue
@@ -33,12 +34,14 @@ def w8a8_linear(x: torch.Tensor, wq: QTensor, bias: torch.Tensor | None) -> torc
     """Y = Q_token(X) · Q_channel(W)ᵀ + b with SGLang's per-token quantization and GEMM kernels."""
     x2 = x.reshape(-1, x.shape[-1])
     if wq.spec.family is Family.INT:
+        # sgl_kernel and SGLang only where an engine runs: preflight imports this module without them
         from sgl_kernel import int8_scaled_mm
         from sglang.kernels.ops.quantization.int8_kernel import per_token_quant_int8
 
         xq, xs = per_token_quant_int8(x2)
         y = int8_scaled_mm(xq, wq.data.t(), xs, wq.scale, out_dtype=x.dtype, bias=bias)
     else:
+        # SGLang only where an engine runs: preflight imports this module without it
         from sglang.srt.layers.quantization.fp8_utils import apply_fp8_linear
 
         y = apply_fp8_linear(x2, wq.data.t(), wq.scale.reshape(1, -1), bias=bias, use_per_token_if_dynamic=True)
@@ -49,6 +52,7 @@ def moe_quant_info(spec: FormatSpec, w13: torch.Tensor, w13_scale: torch.Tensor,
                    w2_scale: torch.Tensor):
     """The Triton fused-MoE runner's description of stacked per-channel W8A8 experts of format `spec` ([E, N, K]
     codes, [E, N, 1] fp32 scales) with dynamic per-token activations."""
+    # SGLang only where an engine runs: preflight imports this module without it
     from sglang.srt.layers.moe.moe_runner.triton import TritonMoeQuantInfo
 
     return TritonMoeQuantInfo(

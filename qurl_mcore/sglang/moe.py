@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from sglang.srt.layers.moe import MoeRunner, MoeRunnerBackend
+from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 from sglang.srt.utils import set_weight_attrs
 
@@ -67,8 +68,6 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
             weights.attach_master(layer, name)
 
     def apply(self, layer, dispatch_output):
-        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
-
         x = dispatch_output.hidden_states
         if self._use_kernels(x.device):
             w13, w2 = layer.qurl_w13_weight, layer.qurl_w2_weight

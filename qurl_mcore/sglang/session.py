@@ -13,6 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from sglang.srt.model_loader.loader import DefaultModelLoader
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from .linear import QurlLinearMethod
+from .moe import QurlFusedMoEMethod
+
 RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 UPDATE_CALLS = ("update_weights_from_tensor", "update_weights_from_distributed")  # both end in model.load_weights
 
@@ -21,8 +27,6 @@ _registered = False
 
 def sglang_has_sessions() -> bool:
     """Whether SGLang's own loader restores quantized weights before an update (0.5.23 does, 0.5.15 does not)."""
-    from sglang.srt.model_loader.loader import DefaultModelLoader
-
     return hasattr(DefaultModelLoader, "restore_weights_before_loading")
 
 
@@ -32,8 +36,6 @@ def register() -> None:
     global _registered
     if _registered or sglang_has_sessions():
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     for call in UPDATE_CALLS:
         HookRegistry.register(f"{RUNNER}.{call}", each_call_a_session, HookType.AROUND)
     _registered = True
@@ -43,9 +45,6 @@ def each_call_a_session(original: Callable, runner: Any, *args, **kwargs):
     """`original(runner, ...)` between the restore and the re-quantization of every qurl layer. The layers are
     re-quantized even when the call fails, so the engine serves a quantized copy of whatever its masters hold
     (SGLang's own message then says the weights are partially updated)."""
-    from .linear import QurlLinearMethod
-    from .moe import QurlFusedMoEMethod
-
     layers = [(m, m.quant_method) for m in runner.model.modules()
               if isinstance(getattr(m, "quant_method", None), (QurlLinearMethod, QurlFusedMoEMethod))]
     for module, method in layers:

@@ -43,6 +43,7 @@ def _rows(path: Path, limit: int | None) -> Iterator[tuple[str, object, str | No
                                                          "must be one object")
         return
     if path.suffix == ".parquet":
+        # pyarrow only for .parquet data: `qurl --help` imports this package
         import pyarrow.parquet as pq
 
         start = 0

@@ -28,6 +28,7 @@ _FIRST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 def math_reward(response: str, answer: str) -> float:
     """1.0 if math-verify finds the response's final answer equivalent to `answer` (numbers, fractions, LaTeX,
     \\boxed{}), else 0.0. Timeouts are off: they rely on SIGALRM, which only the main thread may use."""
+    # math-verify only for the math reward: `qurl --help` imports this package
     from math_verify import parse, verify
 
     gold = parse(answer, parsing_timeout=None)
