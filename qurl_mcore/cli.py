@@ -248,7 +248,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"qurl plan: {' '.join(str(err).split())}")
         return 2
     print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
-    return 0
+    return 0 if result.fits or args.warn_only else 3
 
 
 def _add_plan(sub) -> None:
@@ -261,6 +261,7 @@ def _add_plan(sub) -> None:
                                                      "plugin's default) or device")
     p.add_argument("--link", help="the weight push's link: nvlink, infiniband or pcie (default: by layout)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--warn-only", action="store_true", help="exit 0 when a GPU does not fit (default: exit 3)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.recompute=full")
     p.set_defaults(func=_plan)
 

@@ -300,6 +300,16 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, args, message):
     assert out.count("\n") == 1 and message in out
 
 
+def test_cli_exits_3_when_a_gpu_does_not_fit_unless_warn_only(capsys):
+    from qurl_mcore.cli import main
+
+    args = ["plan", "--config", str(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml"), "--gpu", "h100-80g",
+            "train.recompute=none", "train.micro_batch_size=4"]
+    assert main(args) == 3
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main([*args, "--warn-only", "--json"]) == 0
+    assert not all(v["fits"] for v in json.loads(capsys.readouterr().out)["verdict"])
+
 
 def test_preflight_plans_memory_only_where_it_knows_the_gpu(tmp_path):
     """`qurl train --check` on a GPU machine runs the planner for that GPU; without one it says so."""

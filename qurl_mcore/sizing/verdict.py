@@ -31,6 +31,11 @@ class Plan:
     verdict: list[dict[str, Any]]
     problems: list[str] = field(default_factory=list)
 
+    @property
+    def fits(self) -> bool:
+        """Whether every kind of GPU of the layout holds its peak (and an engine's KV cache one sequence)."""
+        return all(row["fits"] for row in self.verdict)
+
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("model", "hardware", "trainer", "engines", "push", "rollout",
                                               "verdict", "problems")}
