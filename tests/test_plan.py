@@ -274,6 +274,23 @@ def test_shipped_gpu_configs_fit(path):
     assert all(v["fits"] for v in result.verdict)
 
 
+def test_fp4_is_emulated_on_hopper_and_runs_on_blackwell():
+    """Hopper has no FP4 tensor cores: the plan says the numerics are emulated and shows no batch-1 speed-up;
+    a B200 keeps FP4's (weights read at 4 bits, half a byte a parameter)."""
+    from qurl_mcore.sizing import format_plan
+
+    hf, source = model_config("/models/Qwen3-30B-A3B")
+    cfg = load_config(CONFIGS / "grpo_qwen3_30b_a3b_fp4_rc.yaml")
+    for gpu in ("h100-80g", "h200-141g"):
+        hopper = size_run(cfg, hf, gpu, source=source)
+        assert hopper.rollout["ratio_batch1"] == pytest.approx(1.0)
+        assert f"nvfp4 is emulated on a {gpu} (no nvfp4 tensor cores)" in format_plan(hopper)
+    blackwell = size_run(cfg, hf, "b200-180g", source=source)
+    assert blackwell.rollout["ratio_batch1"] > 1.5 and "emulated" not in format_plan(blackwell)
+    int8 = load_config(CONFIGS / "grpo_32b_int8.yaml")
+    assert "emulated" not in format_plan(size_run(int8, model_config(int8.model.path)[0], "h100-80g"))
+
+
 # ---- the command line -----------------------------------------------------------------------------------
 
 def test_cli_json(capsys):

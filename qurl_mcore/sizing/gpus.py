@@ -29,6 +29,11 @@ class GPU:
     def hbm(self) -> int:
         return int(self.hbm_gb * GB)
 
+    def has_tensor_cores(self, fmt: str | None) -> bool:
+        """Whether GEMMs in `fmt` (None: bf16) run on tensor cores of their own; without, its numerics are
+        emulated (dequantized to bf16 and multiplied there)."""
+        return (fmt or "bf16") in self.tflops
+
     def peak_tflops(self, fmt: str | None) -> float:
         """Dense tensor-core peak for GEMMs in `fmt` (None: bf16); a format without tensor cores runs at bf16's."""
         return self.tflops.get(fmt or "bf16", self.tflops["bf16"])

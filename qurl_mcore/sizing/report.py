@@ -1,7 +1,7 @@
 """The plan as the lines `qurl plan` prints (`--json` prints `Plan.to_dict()`)."""
 from __future__ import annotations
 
-from .gpus import GB, GiB
+from .gpus import GB, GiB, get_gpu
 from .verdict import Plan
 
 
@@ -43,7 +43,10 @@ def format_plan(p: Plan) -> str:
         f"{ro['bf16']['tokens_per_s_batch1']:.0f} -> {ro['quantized']['tokens_per_s_batch1']:.0f} "
         f"(x{ro['ratio_batch1']:.2f}); batch {ro['bf16']['batch']} -> {ro['quantized']['batch']} of "
         f"{ro['context']} tokens: {ro['bf16']['tokens_per_s']:.0f} -> {ro['quantized']['tokens_per_s']:.0f} "
-        f"(x{ro['ratio']:.2f})",
+        f"(x{ro['ratio']:.2f})"
+        + ("" if get_gpu(hw["gpu"]).has_tensor_cores(e["format"]) else
+           f"; {e['format']} is emulated on a {hw['gpu']} (no {e['format']} tensor cores): dequantized to bf16, "
+           "no speed-up from its weights"),
     ]
     for v in p.verdict:
         state = f"fits, {v['margin_gib']:.1f} GiB free" if v["fits"] else "does NOT fit"

@@ -61,18 +61,23 @@ def rollout_ceiling(s: Shape, cfg: Config, gpu: GPU, master: str = "host",
     """The decode ceiling of one engine, bf16 against the config's precision (each engine with the KV cache it
     gets): at batch 1 (weight-bound: the most quantized weights can buy) and at the step's batch (the
     sequences each engine gets, as many as its KV cache holds at mean length context_length/2). `beside`: the
-    bytes of a colocated trainer rank, when the KV cache is what is left beside it."""
+    bytes of a colocated trainer rank, when the KV cache is what is left beside it. A format without tensor
+    cores on `gpu` (FP4 on Hopper) is emulated: its weights are dequantized to bf16 for every GEMM, so its
+    ceiling reads bf16 weights at bf16's peak and only its larger KV cache can differ."""
     r = cfg.rollout
     _, _, fmt = cfg.resolved_precision()
     context = r.context_length // 2
     wanted = math.ceil(cfg.data.prompts_per_step * r.samples_per_prompt / r.engines)
     out: dict[str, Any] = {"context": context, "sequences_per_engine": wanted}
+    emulated = not gpu.has_tensor_cores(fmt)
     for label, precision, f in (("bf16", "bf16", None), ("quantized", None, fmt)):
         kv = None if beside is None else _kv_beside(s, cfg, gpu, master, beside, precision)
         eng = engine_bytes(s, cfg, gpu, master, kv, precision)
         batch = max(1, min(wanted, eng["kv_tokens"] // context))
         per_token = eng["kv_bytes_per_token"] * r.tp_size
-        args = (s, eng["weights"], gpu, r.tp_size, f)
+        if label == "bf16" or not emulated:
+            weights = eng["weights"]  # emulated: the bf16 engine's (bf16 runs first)
+        args = (s, weights, gpu, r.tp_size, f)
         out[label] = {"batch": batch, "kv_tokens": eng["kv_tokens"],
                       "tokens_per_s_batch1": decode_tokens_per_s(*args, 1, context, per_token),
                       "tokens_per_s": decode_tokens_per_s(*args, batch, context, per_token)}
