@@ -255,6 +255,25 @@ def test_colocated_engines_are_given_a_mem_fraction_that_fits():
                for p in size_run(small, hf, "h100-80g").problems)
 
 
+def test_no_mem_fraction_above_1_is_suggested():
+    """A KV cache no fraction of the GPU holds gets a token count that fits the configured fraction, not a
+    fraction above 1; that count then plans without a mem_fraction problem."""
+    from qurl_mcore.sizing import format_plan
+
+    cfg = load_config(CONFIGS / "grpo_32b_int8.yaml", ["rollout.max_total_tokens=2000000", "rollout.mem_fraction=0.9"])
+    hf = model_config(cfg.model.path)[0]
+    plan = size_run(cfg, hf, "h100-80g")
+    assert plan.engines["mem_fraction"] is None
+    text = format_plan(plan)
+    assert all(float(x) <= 1 for x in re.findall(r"mem_fraction[ =]([0-9.]+)", text)), text
+    tokens = int(re.search(r"no fraction of the GPU holds them: use at most rollout.max_total_tokens=(\d+)",
+                           text).group(1))
+    fixed = size_run(load_config(CONFIGS / "grpo_32b_int8.yaml", [f"rollout.max_total_tokens={tokens}",
+                                                                  "rollout.mem_fraction=0.9"]), hf, "h100-80g")
+    assert not any(p.startswith("rollout.mem_fraction") for p in fixed.problems)
+    assert fixed.engines["mem_fraction"] <= 0.9
+
+
 # ---- the shipped GPU configs fit their stated hardware ------------------------------------------------------
 
 _HARDWARE = re.compile(r"(\d+) nodes? x (\d+) (H100|H200|B200)")

@@ -239,7 +239,7 @@ def engine_bytes(s: Shape, cfg: Config, gpu: GPU, master: str = "host", kv_token
     `released`: what stays on the GPU after the engine gives its memory back (rollout.offload): the reserve
     less its CUDA graphs (SGLang's workspace, cached by torch's allocator outside the memory saver).
     `mem_fraction`: the rollout.mem_fraction that holds these weights, this KV cache and the graphs, with
-    1 GiB to spare, rounded up to a hundredth.
+    1 GiB to spare, rounded up to a hundredth; None when that is more than the whole GPU.
     `precision` None: the config's; "bf16" sizes the same engine unquantized."""
     tp = cfg.rollout.tp_size
     row, scope, fmt = cfg.resolved_precision()
@@ -251,10 +251,11 @@ def engine_bytes(s: Shape, cfg: Config, gpu: GPU, master: str = "host", kv_token
         room = cfg.rollout.mem_fraction * gpu.hbm - graphs if cfg.rollout.mem_fraction else gpu.hbm - reserve
         kv_tokens = cfg.rollout.max_total_tokens or max(0, int(room - on_device) // per_token)
     kv = kv_tokens * per_token
+    fraction = math.ceil(100 * (on_device + kv + graphs + GiB) / gpu.hbm) / 100
     return {"weights": w, "master": master, "kv_bytes_per_token": per_token, "kv_tokens": kv_tokens, "kv": kv,
             "reserve": reserve, "cuda_graphs": graphs, "peak": on_device + kv + reserve,
             "released": reserve - graphs,
-            "mem_fraction": math.ceil(100 * (on_device + kv + graphs + GiB) / gpu.hbm) / 100,
+            "mem_fraction": fraction if fraction <= 1 else None,
             "host_masters": w["gpu_masters"] if master == "host" else 0}
 
 

@@ -33,7 +33,9 @@ def format_plan(p: Plan) -> str:
         (f"engines   {e['count']} x TP {e['tp']}, {e['precision']} ({e['format'] or 'bf16'}, scope {e['scope']}); "
          f"per GPU: weights {_gib(w['gpu_weights'])}, masters {_gib(w['gpu_masters'])} on the {e['master']}, KV "
          f"cache {_gib(e['kv'])} ({e['kv_tokens']} tokens), SGLang reserve {_gib(e['reserve'])}; peak "
-         f"{_gib(e['peak'])}, rollout.mem_fraction {e['mem_fraction']}"
+         f"{_gib(e['peak'])}, "
+         + (f"rollout.mem_fraction {e['mem_fraction']}" if e["mem_fraction"] is not None else
+            "no rollout.mem_fraction holds it")
          + (f"; released while the trainer steps: {_gib(e['released'])} stay" if p.hardware["offload"] else "")
          + (f"; host RAM for masters {_gib(e['host_masters_per_node'])} per node" if e["host_masters"] else "")),
         (f"push      {pu['bytes'] / GB:.2f} GB in {pu['dtype']}, {pu['buckets']} bucket(s) of <= "

@@ -146,10 +146,16 @@ def _verdict(s: Shape, cfg: Config, gpu: GPU, master: str, gpus_per_node: int,
                         f"with a trainer rank; set rollout.mem_fraction={engine['mem_fraction']} (its weights and a KV "
                         f"cache of {engine['kv_tokens']} tokens"
                         + (", what fits beside the trainer)" if budget["beside"] is not None else ")"))
-    elif r.mem_fraction and r.max_total_tokens and r.mem_fraction < engine["mem_fraction"]:
+    elif r.mem_fraction and r.max_total_tokens and (engine["mem_fraction"] is None
+                                                    or r.mem_fraction < engine["mem_fraction"]):
+        # the tokens that rollout.mem_fraction holds: engine_bytes' fraction solved for the KV cache
+        on_device = engine["peak"] - engine["kv"] - engine["reserve"]
+        room = int(r.mem_fraction * gpu.hbm - engine["cuda_graphs"] - on_device - GiB)
+        tokens = f"rollout.max_total_tokens={max(0, room) // engine['kv_bytes_per_token']}"
+        fix = (f"use {engine['mem_fraction']}, or fewer tokens" if engine["mem_fraction"] is not None else
+               f"no fraction of the GPU holds them: use at most {tokens}")
         problems.append(f"rollout.mem_fraction: {r.mem_fraction} of a {gpu.name} holds less than the engine's weights "
-                        f"and its KV cache of rollout.max_total_tokens={r.max_total_tokens}; use "
-                        f"{engine['mem_fraction']}, or fewer tokens")
+                        f"and its KV cache of rollout.max_total_tokens={r.max_total_tokens}; {fix}")
     return rows, problems
 
 
