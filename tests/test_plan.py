@@ -323,6 +323,26 @@ def test_cli_json(capsys):
     assert out["push"]["bytes"] == 2 * 30_532_122_624
 
 
+def test_push_is_wire_time_beside_a_measured_push():
+    """The push line says its time is the wire's and shows miles' measured Qwen3-30B-A3B sync (2.67 s over NCCL
+    on H100): as this model's figure for Qwen3-30B-A3B (card or config.json alike), as a note for the others."""
+    from qurl_mcore.sizing import format_plan
+
+    def push_line(config, gpu):
+        cfg = load_config(CONFIGS / config)
+        hf, source = model_config(cfg.model.path)
+        return next(x for x in format_plan(size_run(cfg, hf, gpu, source=source)).splitlines()
+                    if x.startswith("push"))
+
+    moe = push_line("grpo_qwen3_30b_a3b_fp4_rc.yaml", "h200-141g")
+    assert "wire time (bytes / link bandwidth) 1.22 s on infiniband" in moe
+    assert moe.endswith("; measured for this model: 2.67 s over NCCL on H100 (miles)")
+    dense = push_line("grpo_32b_int8.yaml", "h100-80g")
+    assert "wire time (bytes / link bandwidth)" in dense
+    assert dense.endswith("; measured pushes take longer than wire time: miles reports 2.67 s for Qwen3-30B-A3B "
+                          "over NCCL on H100")
+
+
 @pytest.mark.parametrize("args,message", [
     (["--gpu", "a100"], "unknown GPU 'a100'; use one of"),
     (["--link", "carrier-pigeon"], "unknown link 'carrier-pigeon'"),

@@ -12,6 +12,7 @@ def _gib(n: float) -> str:
 def format_plan(p: Plan) -> str:
     """The plan as the lines `qurl plan` prints."""
     t, e, pu, ro, hw = p.trainer, p.engines, p.push, p.rollout, p.hardware
+    m = pu["measured"]
     which = "distributed" if t["distributed_optimizer"] else "replicated"
     w = e["weights"]
     lines = [
@@ -39,8 +40,11 @@ def format_plan(p: Plan) -> str:
          + (f"; released while the trainer steps: {_gib(e['released'])} stay" if p.hardware["offload"] else "")
          + (f"; host RAM for masters {_gib(e['host_masters_per_node'])} per node" if e["host_masters"] else "")),
         (f"push      {pu['bytes'] / GB:.2f} GB in {pu['dtype']}, {pu['buckets']} bucket(s) of <= "
-         f"{pu['bucket_bytes'] >> 20} MiB; {pu['seconds']:.2f} s on {pu['link']} ("
-         + ", ".join(f"{k} {v:.2f} s" for k, v in pu["seconds_by_link"].items()) + ")"),
+         f"{pu['bucket_bytes'] >> 20} MiB; wire time (bytes / link bandwidth) {pu['seconds']:.2f} s on "
+         f"{pu['link']} (" + ", ".join(f"{k} {v:.2f} s" for k, v in pu["seconds_by_link"].items()) + "); "
+         + (f"measured for this model: {m['seconds']} s over {m['over']} ({m['source']})" if m["this_model"] else
+            f"measured pushes take longer than wire time: {m['source']} reports {m['seconds']} s for "
+            f"{m['model']} over {m['over']}")),
         f"rollout   decode ceiling per engine, tokens/s bf16 -> {e['precision']}: batch 1 "
         f"{ro['bf16']['tokens_per_s_batch1']:.0f} -> {ro['quantized']['tokens_per_s_batch1']:.0f} "
         f"(x{ro['ratio_batch1']:.2f}); batch {ro['bf16']['batch']} -> {ro['quantized']['batch']} of "

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import Config
+from ..models.cards import card
 from ..models.registry import shape
 from ..models.slots import Shape
 from ..placement import placement_of
 from .gpus import GPU, LINK_NAMES, GiB, get_gpu, link_gb_s
 from .memory import RECOMPUTE_ORDER, _kv_beside, engine_bytes, trainer_bytes
-from .speed import push_bytes, push_seconds, rollout_ceiling
+from .speed import MEASURED_PUSH, push_bytes, push_seconds, rollout_ceiling
 from .tensors import parameter_count
 
 
@@ -211,7 +212,8 @@ def size_run(cfg: Config, hf: dict[str, Any], gpu: str, gpus_per_node: int = 8, 
                            "dp": cfg.train.dp_size}},
         engines={**engine, "precision": precision.name, "scope": scope, "format": fmt, "tp": tp,
                  "count": cfg.rollout.engines, "host_masters_per_node": engine["host_masters"] * tp * engines_per_node},
-        push={**push, "dtype": cfg.rollout.dtype, "link": chosen, "seconds": times[chosen], "seconds_by_link": times},
+        push={**push, "dtype": cfg.rollout.dtype, "link": chosen, "seconds": times[chosen], "seconds_by_link": times,
+              "measured": {**MEASURED_PUSH, "this_model": s == shape(card(MEASURED_PUSH["model"]))}},
         rollout=rollout_ceiling(s, cfg, g, master, budget["beside"]),
         verdict=verdict, problems=problems)
 
