@@ -274,6 +274,26 @@ def test_no_mem_fraction_above_1_is_suggested():
     assert fixed.engines["mem_fraction"] <= 0.9
 
 
+def test_batch1_decode_is_no_faster_than_its_tp_all_reduces():
+    """At TP > 1 a decode step waits for 2 all-reduces per layer (10 us each over NVLink): Qwen3-30B-A3B's
+    48 layers at TP 4 cap batch 1 at 1/(96 · 10 us) ≈ 1042 tokens/s, below what a B200's bandwidth allows
+    (4x the single GPU's weight-bound rate); at TP 1 there is no floor and the bandwidth bound stands."""
+    from qurl_mcore.sizing import format_plan
+
+    hf, source = model_config("/models/Qwen3-30B-A3B")
+    cfg = load_config(CONFIGS / "grpo_qwen3_30b_a3b_fp4_rc.yaml")
+    plan = size_run(cfg, hf, "b200-180g", source=source)
+    tp4, floor = plan.rollout, 2 * 48 * 10e-6
+    assert cfg.rollout.tp_size == 4 and tp4["latency_floor_s"] == pytest.approx(floor)
+    tp1 = size_run(load_config(CONFIGS / "grpo_qwen3_30b_a3b_fp4_rc.yaml", ["rollout.tp_size=1"]), hf,
+                   "b200-180g").rollout
+    assert tp1["latency_floor_s"] == 0
+    for label in ("bf16", "quantized"):
+        assert 4 * tp1[label]["tokens_per_s_batch1"] > 1 / floor
+        assert tp4[label]["tokens_per_s_batch1"] == pytest.approx(1 / floor)
+    assert "latency bound 1042 at batch 1 (96 TP all-reduces of 10 us a step)" in format_plan(plan)
+
+
 # ---- the shipped GPU configs fit their stated hardware ------------------------------------------------------
 
 _HARDWARE = re.compile(r"(\d+) nodes? x (\d+) (H100|H200|B200)")
@@ -304,8 +324,10 @@ def test_fp4_is_emulated_on_hopper_and_runs_on_blackwell():
         hopper = size_run(cfg, hf, gpu, source=source)
         assert hopper.rollout["ratio_batch1"] == pytest.approx(1.0)
         assert f"nvfp4 is emulated on a {gpu} (no nvfp4 tensor cores)" in format_plan(hopper)
-    blackwell = size_run(cfg, hf, "b200-180g", source=source)
-    assert blackwell.rollout["ratio_batch1"] > 1.5 and "emulated" not in format_plan(blackwell)
+    assert "emulated" not in format_plan(size_run(cfg, hf, "b200-180g", source=source))
+    one_gpu = load_config(CONFIGS / "grpo_qwen3_30b_a3b_fp4_rc.yaml", ["rollout.tp_size=1"])  # no latency floor
+    assert size_run(one_gpu, hf, "h200-141g").rollout["ratio_batch1"] == pytest.approx(1.0)
+    assert size_run(one_gpu, hf, "b200-180g").rollout["ratio_batch1"] > 1.5
     int8 = load_config(CONFIGS / "grpo_32b_int8.yaml")
     assert "emulated" not in format_plan(size_run(int8, model_config(int8.model.path)[0], "h100-80g"))
 

@@ -47,6 +47,10 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
                                 "mxfp4": 9000.0}, 900, 16384, 512),
 )}
 
+#: seconds of one small all-reduce among an engine's TP GPUs over NVLink: an assumption (docs/plan.md), the
+#: latency that bounds a decode step whatever its bytes
+NVLINK_ALLREDUCE_S = 10e-6
+
 #: links a weight push can cross, GB/s per direction ("nvlink" is the GPU's own, `GPU.nvlink_gb_s`)
 LINKS: dict[str, float] = {
     "infiniband": 50.0,  # NDR, 400 Gb/s per GPU NIC

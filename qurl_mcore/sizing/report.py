@@ -1,7 +1,7 @@
 """The plan as the lines `qurl plan` prints (`--json` prints `Plan.to_dict()`)."""
 from __future__ import annotations
 
-from .gpus import GB, GiB, get_gpu
+from .gpus import GB, NVLINK_ALLREDUCE_S, GiB, get_gpu
 from .verdict import Plan
 
 
@@ -50,6 +50,8 @@ def format_plan(p: Plan) -> str:
         f"(x{ro['ratio_batch1']:.2f}); batch {ro['bf16']['batch']} -> {ro['quantized']['batch']} of "
         f"{ro['context']} tokens: {ro['bf16']['tokens_per_s']:.0f} -> {ro['quantized']['tokens_per_s']:.0f} "
         f"(x{ro['ratio']:.2f})"
+        + (f"; latency bound {1 / ro['latency_floor_s']:.0f} at batch 1 ({2 * p.model['layers']} TP all-reduces "
+           f"of {NVLINK_ALLREDUCE_S * 1e6:.0f} us a step)" if ro["latency_floor_s"] else "")
         + ("" if get_gpu(hw["gpu"]).has_tensor_cores(e["format"]) else
            f"; {e['format']} is emulated on a {hw['gpu']} (no {e['format']} tensor cores): dequantized to bf16, "
            "no speed-up from its weights"),

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..config import Config
 from ..models.slots import Shape
-from .gpus import GB, GPU
+from .gpus import GB, GPU, NVLINK_ALLREDUCE_S
 from .memory import _kv_beside, engine_bytes
 from .tensors import _DTYPE_BYTES, hf_tensors, parameter_count
 
@@ -40,13 +40,20 @@ def push_seconds(nbytes: int, gb_s: float) -> float:
 
 # ---- decode ceiling ---------------------------------------------------------------------------------------
 
+def latency_floor_s(s: Shape, tp: int) -> float:
+    """The seconds no decode step of an engine goes under: 2·L TP all-reduces (after attention and after the
+    MLP) of `NVLINK_ALLREDUCE_S` each at TP > 1, none at TP 1."""
+    return 2 * s.layers * NVLINK_ALLREDUCE_S if tp > 1 else 0.0
+
+
 def decode_tokens_per_s(s: Shape, weights: dict[str, int], gpu: GPU, tp: int, fmt: str | None, batch: int,
                         context: int, kv_per_token: int) -> float:
     """Upper bound on one engine's decode tokens/s for `batch` sequences of mean length `context`:
-      batch / max(bytes_step / (TP·HBM bandwidth), flops_step / (TP·peak of fmt's GEMMs))
+      batch / max(bytes_step / (TP·HBM bandwidth), flops_step / (TP·peak of fmt's GEMMs), latency_step)
       bytes_step = weights read (all but the embedding table when untied; of the experts the expected share
                    a batch touches, 1 − (1 − k/E)^batch, routing uniform) + batch·context·KV bytes per token
       flops_step = batch·(2·active parameters + 4·L·a·d·context)
+      latency_step = `latency_floor_s`: what binds a weight-light step (batch 1, 4-bit) at TP > 1
     `weights`: `engine_weights` of the engine; `kv_per_token` over the whole engine."""
     touched = 1 - (1 - s.topk / s.experts) ** batch if s.experts else 1.0
     table = 0 if s.tied else weights["embedding"]
@@ -56,7 +63,8 @@ def decode_tokens_per_s(s: Shape, weights: dict[str, int], gpu: GPU, tp: int, fm
     active = parameter_count(s) - embedding - expert_params * (1 - (s.topk / s.experts if s.experts else 0))
     flops = batch * (2 * active + 4 * s.layers * s.heads * s.head_dim * context)
     seconds = max((w_read + batch * context * kv_per_token) / (tp * gpu.hbm_tb_s * 1e12),
-                  flops / (tp * gpu.peak_tflops(fmt) * 1e12))
+                  flops / (tp * gpu.peak_tflops(fmt) * 1e12),
+                  latency_floor_s(s, tp))
     return batch / seconds
 
 
@@ -64,7 +72,8 @@ def rollout_ceiling(s: Shape, cfg: Config, gpu: GPU, master: str = "host",
                     beside: int | None = None) -> dict[str, Any]:
     """The decode ceiling of one engine, bf16 against the config's precision (each engine with the KV cache it
     gets): at batch 1 (weight-bound: the most quantized weights can buy) and at the step's batch (the
-    sequences each engine gets, as many as its KV cache holds at mean length context_length/2). `beside`: the
+    sequences each engine gets, as many as its KV cache holds at mean length context_length/2), each no faster
+    than one step per `latency_floor_s` (TP all-reduces). `beside`: the
     bytes of a colocated trainer rank, when the KV cache is what is left beside it. A format without tensor
     cores on `gpu` (FP4 on Hopper) is emulated: its weights are dequantized to bf16 for every GEMM, so its
     ceiling reads bf16 weights at bf16's peak and only its larger KV cache can differ."""
@@ -72,7 +81,8 @@ def rollout_ceiling(s: Shape, cfg: Config, gpu: GPU, master: str = "host",
     _, _, fmt = cfg.resolved_precision()
     context = r.context_length // 2
     wanted = math.ceil(cfg.data.prompts_per_step * r.samples_per_prompt / r.engines)
-    out: dict[str, Any] = {"context": context, "sequences_per_engine": wanted}
+    out: dict[str, Any] = {"context": context, "sequences_per_engine": wanted,
+                           "latency_floor_s": latency_floor_s(s, r.tp_size)}
     emulated = not gpu.has_tensor_cores(fmt)
     for label, precision, f in (("bf16", "bf16", None), ("quantized", None, fmt)):
         kv = None if beside is None else _kv_beside(s, cfg, gpu, master, beside, precision)
