@@ -463,9 +463,10 @@ C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", FakeCUDAHooks);
 
 def runtime_library() -> Path:
     """The shim (module docstring), compiled with the system's C++ compiler against this torch, once per torch
-    version and shim source (cached)."""
-    torch_dir = Path(torch.__file__).parent
-    digest = hashlib.sha256(f"{torch.__version__}{_SHIM}".encode()).hexdigest()[:16]
+    installation (its version and directory: the shim finds torch's libraries by that path) and shim source
+    (cached)."""
+    torch_dir = Path(torch.__file__).resolve().parent
+    digest = hashlib.sha256(f"{torch.__version__}{torch_dir}{_SHIM}".encode()).hexdigest()[:16]
     out = cache_dir() / "fakecuda" / f"shim-{digest}.so"
     if out.exists():
         return out
