@@ -71,7 +71,7 @@ def step(model_path: str, rows: int, length: int, vocab: int, *overrides: str) -
                              "train.lr=1e-5", f"train.micro_batch_size={min(rows, 4)}",
                              f"rollout.context_length={length}", f"rollout.max_new_tokens={length // 2}", *overrides])
     planned = trainer_bytes(shape(model_config(model_path)[0]), cfg, cuda=torch.cuda.is_available())["peak"]
-    trainer = PolicyTrainer(cfg)
+    trainer = PolicyTrainer(cfg, cfg.recipe())
     try:
         data = batch(rows, length, vocab)
         trainer.step(data)  # warm-up (allocations, kernels)

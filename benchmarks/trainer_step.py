@@ -42,7 +42,7 @@ def _trainer(tree: str, rank: int = 0, world_size: int = 1, *overrides: str):
     from qurl_mcore.loop.trainer import PolicyTrainer
 
     cfg = load_config(Path(tree) / "launch/configs/cpu_demo.yaml", ["train.threads=2", *overrides])
-    return PolicyTrainer(cfg, rank=rank, world_size=world_size)
+    return PolicyTrainer(cfg, cfg.recipe(), rank=rank, world_size=world_size)
 
 
 def time_steps(tree: str, steps: int) -> list[float]:

@@ -185,14 +185,14 @@ class Config:
         p = get_precision(self.precision)
         return select(self.precision, self.scope, self.fp4_format if self.fp4_format in p.formats else None)
 
-    def recipe(self):
-        """The `qurl_mcore.recipe.Recipe` of precision, scope and FP4 format, for the process that builds a
-        model with it (it imports torch, which the schema and `qurl plan` do without)."""
+    def recipe(self, te_available: bool | None = None):
+        """The `qurl_mcore.recipe.Recipe` of precision, scope and FP4 format (it imports torch, which the schema
+        and `qurl plan` do without); `te_available` None: whether this process can run Transformer Engine."""
         # lazy: recipe.py loads torch; `qurl --help` imports this module
         from qurl_mcore.recipe import resolve
 
         p, scope, fmt = self.resolved_precision()
-        return resolve(p.name, scope, fmt)
+        return resolve(p.name, scope, fmt, te_available=te_available)
 
 
 class ConfigError(ValueError):

@@ -13,8 +13,12 @@ looks a precision up by name again:
   engine                  the engines' half (`EngineRecipe`: SGLang method, its spec, its groups), None for
                           full-precision engines
 
-An engine process receives only the SGLang method and its options: it builds its half with `engine_recipe`,
-equal to `Recipe.engine` of the same choice (`qurl_mcore.sglang.options.QurlOptions.recipe`).
+The loop's driver resolves the run's recipe once (`qurl_mcore.loop.actors.start_actors`) and hands it to every
+trainer rank and, as the SGLang method and options it decides (`qurl_mcore.loop.sampler.engine_config`), to every
+engine. An engine process cannot receive Python objects through SGLang's arguments: it rebuilds its half with
+`engine_recipe` from that method and options, a pure function of them, so it equals `Recipe.engine`
+(`qurl_mcore.sglang.options.QurlOptions.recipe`). A trainer rank checks that it can run what it received
+(`check_runnable`) and resolves nothing.
 """
 from __future__ import annotations
 
@@ -28,10 +32,12 @@ from .precision import METHODS, SCOPES, Precision, default_scope, quantizes, sel
 from .quant import FormatSpec, PerTensor, QuantLinearSpec, get_format, make_spec
 
 
-def te_fp8_available() -> bool:
+def te_fp8_available(cuda: bool | None = None) -> bool:
     """Whether FP8 training runs on Transformer Engine (a CUDA device and TE importable) rather than on the
-    `qurl_mcore.quant` emulation."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    `qurl_mcore.quant` emulation. `cuda` None asks this process for a device; a driver without one passes
+    whether its trainers have GPUs (every node of a run has the same software: Ray requires it)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return cuda and importlib.util.find_spec("transformer_engine") is not None
 
 
 def scope_groups(scope: str) -> frozenset[str]:
@@ -87,6 +93,16 @@ def engine_recipe(method: str, fmt: str | None = None, scope: str | None = None)
         raise ValueError(f"{method} runs in {list(m.formats)}, not {fmt!r}")
     scope = scope or default_scope(method)
     return EngineRecipe(method, fmt, scope, get_format(fmt), make_spec(m.mode, fmt), scope_groups(scope))
+
+
+def check_runnable(recipe: Recipe) -> None:
+    """Refuse, in the process that builds the model, a recipe whose trainer runs on Transformer Engine where TE
+    cannot run (no CUDA device, or TE not installed on this node)."""
+    if recipe.te and not te_fp8_available():
+        raise RuntimeError(f"precision {recipe.precision.name!r} trains on Transformer Engine, which this process "
+                           f"cannot run (CUDA device: {torch.cuda.is_available()}, transformer_engine importable: "
+                           f"{importlib.util.find_spec('transformer_engine') is not None}): install "
+                           "requirements/gpu-te.txt on every node of the run")
 
 
 def resolve(precision: str, scope: str = "auto", fmt: str | None = None, *,

@@ -85,7 +85,7 @@ def smollm2_trainer():
 
     cfg = load_config(None, ["model.path=smollm2", "precision=bf16", "uaq.enabled=false", "train.micro_batch_size=4",
                              f"rollout.push_bucket_mb={BUCKET_MB}"])
-    trainer = PolicyTrainer(cfg)
+    trainer = PolicyTrainer(cfg, cfg.recipe())
     try:
         g = torch.Generator().manual_seed(0)
         samples = [Sample(ids[:4], ids[4:], [0.0] * 4, group=i // 2)

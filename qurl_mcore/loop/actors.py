@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from qurl_mcore.config import Config, ConfigError
 from qurl_mcore.placement import Placement, placement_of, unplaceable
+from qurl_mcore.recipe import te_fp8_available
 from qurl_mcore.transfer import free_port
 
 from .groups import Rollouts, TrainerGroup
@@ -83,7 +84,9 @@ def start_actors(cfg: Config, model_path: str, stop=None) -> tuple[TrainerGroup,
     threads = cfg.train.threads or os.cpu_count() or 1
     world = len(placement.trainer)
     engine_devices = placement.share * (cfg.rollout.tp_size if use_gpu and cfg.layout == "disaggregated" else 1)
-    config = engine_config(cfg, model_path, "cuda" if use_gpu else "cpu")
+    # resolved once, here, for every trainer rank and every engine (qurl_mcore/recipe.py)
+    recipe = cfg.recipe(te_available=te_fp8_available(cuda=use_gpu))
+    config = engine_config(cfg, recipe.engine, model_path, "cuda" if use_gpu else "cpu")
     nodes = sum(node["Alive"] for node in ray.nodes())
     # colocated engines only hear their own node's trainer; disaggregated ones, the trainer's node
     host = "127.0.0.1" if cfg.layout == "colocated" else endpoint_host(nodes)
@@ -108,7 +111,7 @@ def start_actors(cfg: Config, model_path: str, stop=None) -> tuple[TrainerGroup,
     master, port = ray.get(ray.remote(_rendezvous).options(
         **_options(placement, pg, placement.trainer[0], 0, threads)).remote(endpoint_host(nodes)))
     trainers = [ray.remote(PolicyTrainer).options(**_options(placement, pg, b, placement.share, threads)).remote(
-        cfg, rank, world, master, port, log_file=f"{logs}/trainer-{rank}.log")
+        cfg, recipe, rank, world, master, port, log_file=f"{logs}/trainer-{rank}.log")
         for rank, b in enumerate(placement.trainer)]
     engines = cfg.rollout.engines
     # on the driver's node: an engine node that goes down must not take the manager (the driver's view of the

@@ -103,7 +103,8 @@ def evaluate_model(cfg: Config, model_path: str, startup_timeout: float = 600.0,
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     n = cfg.eval.n
     ids = [chat_ids(tokenizer, ex, cfg.data.system_prompt) for ex in examples]
-    host = EngineHost(engine_config(cfg, model_path, "cuda" if torch.cuda.is_available() else "cpu"),
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    host = EngineHost(engine_config(cfg, cfg.recipe().engine, model_path, device),
                       startup_timeout=startup_timeout)
     try:
         generations = host.generate([i for i in ids for _ in range(n)], sampling(cfg))

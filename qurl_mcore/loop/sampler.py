@@ -7,7 +7,6 @@ Both are plain classes; `actors.py` runs them as Ray actors.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -21,6 +20,7 @@ import ray
 
 from qurl_mcore.config import Config
 from qurl_mcore.heldout import eval_examples
+from qurl_mcore.recipe import EngineRecipe
 from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
 from qurl_mcore.rollout.engine import moe_shape
 from qurl_mcore.rollout.results import RequestRefused
@@ -34,12 +34,12 @@ from .outcome import error_line
 from .tracking import redirect_output
 
 
-def engine_quantization(cfg: Config) -> tuple[str | None, dict[str, Any]]:
-    """The SGLang method and options of the configured precision (`qurl_mcore.precision`)."""
-    precision, scope, fmt = cfg.resolved_precision()
-    if precision.rollout is None:
+def engine_quantization(engine: EngineRecipe | None, requant: str) -> tuple[str | None, dict[str, Any]]:
+    """The SGLang method and options of a recipe's engine half (`qurl_mcore.recipe.Recipe.engine`; None: a
+    full-precision engine); `requant` is how engines re-quantize pushed weights (`rollout.requant`)."""
+    if engine is None:
         return None, {}
-    return precision.rollout, {"fmt": fmt, "scope": scope, "requant": cfg.rollout.requant}
+    return engine.method, {"fmt": engine.fmt, "scope": engine.scope, "requant": requant}
 
 
 def new_api_key() -> str:
@@ -48,9 +48,10 @@ def new_api_key() -> str:
     return secrets.token_hex(32)
 
 
-def engine_config(cfg: Config, model_path: str, device: str) -> EngineConfig:
-    """The engine of a run; an MoE's engine returns each token's routed experts (routing metrics, replay)."""
-    method, options = engine_quantization(cfg)
+def engine_config(cfg: Config, engine: EngineRecipe | None, model_path: str, device: str) -> EngineConfig:
+    """The engine of a run computing `engine` (the run's `Recipe.engine`); an MoE's engine returns each token's
+    routed experts (routing metrics, replay)."""
+    method, options = engine_quantization(engine, cfg.rollout.requant)
     extra: dict[str, Any] = {"tp_size": cfg.rollout.tp_size} if cfg.rollout.tp_size > 1 else {}
     if device == "cuda" and cfg.offload_rollout(cuda=True):  # torch_memory_saver's allocator (GPUs only)
         extra["enable_memory_saver"] = True
@@ -62,7 +63,7 @@ def engine_config(cfg: Config, model_path: str, device: str) -> EngineConfig:
 
 def reference_engine_config(cfg: Config, model_path: str, device: str) -> EngineConfig:
     """The BF16 reference engine of `eval.bf16_reference`: the rollout engines' settings without quantization."""
-    return engine_config(dataclasses.replace(cfg, precision="bf16", scope="auto"), model_path, device)
+    return engine_config(cfg, None, model_path, device)
 
 
 class EngineFailure(RuntimeError):

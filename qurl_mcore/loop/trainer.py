@@ -38,6 +38,7 @@ from qurl_mcore import checkpoint as ckpt
 from qurl_mcore.config import Config
 from qurl_mcore.models import resolve_model_path
 from qurl_mcore.models.registry import num_experts
+from qurl_mcore.recipe import Recipe, check_runnable
 from qurl_mcore.rl.losses import aggregation_units, policy_loss
 from qurl_mcore.rollout import HttpEngine, WeightPushError, WeightSpecError
 from qurl_mcore.rollout.broadcast import broadcast_weights, close_weight_group, open_weight_group
@@ -54,12 +55,12 @@ from .tracking import redirect_output
 
 
 class PolicyTrainer:
-    """One rank of the actor: a Megatron GPTModel on the rank's device (the trainer side of the configured
-    precision, UAQ-scaled when on) inside Megatron's DDP and optimizer (megatron/training.py), a frozen
+    """One rank of the actor: a Megatron GPTModel on the rank's device (the trainer side of `recipe`, the run's
+    resolved precision: `Config.recipe`, UAQ-scaled when on) inside Megatron's DDP and optimizer (megatron/training.py), a frozen
     reference copy when a KL term is on, and the clients of the engines this rank pushes weights to."""
 
-    def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, log_file: str | None = None):
+    def __init__(self, cfg: Config, recipe: Recipe, rank: int = 0, world_size: int = 1,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None, log_file: str | None = None):
         if log_file:  # an actor of a run: its output (Megatron's warnings included) goes to the run's logs
             redirect_output(log_file)
         from qurl_mcore.megatron import apply_uaq, build_gpt, init_parallel, load_hf_weights
@@ -85,7 +86,8 @@ class PolicyTrainer:
         self.device = current_device()
         self.hf_dir = resolve_model_path(cfg.model.path)
         self.hf = load_hf_config(self.hf_dir)
-        self.recipe = cfg.recipe()  # resolved here, where the model is built (Transformer Engine or not)
+        check_runnable(recipe)
+        self.recipe = recipe  # the driver's (start_actors), the same for every rank and, in part, every engine
         build = dict(recipe=self.recipe, dtype=cfg.train_dtype(), recompute=t.recompute,
                      calculate_per_token_loss=True)
         self.model = build_gpt(self.hf_dir, **build)
@@ -357,7 +359,7 @@ class PolicyTrainer:
             self.engine_ids = [self.rank] if self.rank < len(endpoints) else []
         else:
             self.engine_ids = list(range(len(endpoints))) if self.rank == 0 else []
-        config = engine_config(self.cfg, str(self.hf_dir), self.device.type)
+        config = engine_config(self.cfg, self.recipe.engine, str(self.hf_dir), self.device.type)
         self.engines = [HttpEngine(config, endpoints[i][0], api_key=endpoints[i][1]) for i in self.engine_ids]
 
     def open_weight_group(self, group_name: str, backend: str, timeout: float) -> str:

@@ -62,7 +62,7 @@ def trainer_steps(arch: str, overrides: list[str], rows: list[int], tp: int = 2,
                              "train.lr=1e-3", f"train.tp_size={tp}", "train.micro_batch_size=2", *overrides])
     out = {}
     with fake_cuda(devices=8, world_size=world_size, rank=rank, device=rank % 8) as trace:
-        trainer = PolicyTrainer(cfg, rank=rank, world_size=world_size)
+        trainer = PolicyTrainer(cfg, cfg.recipe(), rank=rank, world_size=world_size)
         out["policy"] = sorted({(str(p.device), str(p.dtype)) for p in trainer.model.parameters()})
         if trainer.ref is not None:
             out["reference"] = sorted({(str(p.device), str(p.dtype)) for p in trainer.ref.parameters()})

@@ -87,14 +87,17 @@ def test_engine_quantization_per_precision(precision, method, options):
     if precision == "fp4_rc_rollout":
         over.append("scope=all")
     cfg = load_config(None, over)
-    assert engine_quantization(cfg) == (method, {**options, "requant": "eager"} if method else {})
+    recipe = cfg.recipe()
+    assert engine_quantization(recipe.engine, "eager") == (method, {**options, "requant": "eager"} if method else {})
     from qurl_mcore.models.tiny import tiny_checkpoint
 
-    config = engine_config(cfg, str(tiny_checkpoint("qwen3")), "cpu")
-    config.options()  # the plugin accepts the options
+    config = engine_config(cfg, recipe.engine, str(tiny_checkpoint("qwen3")), "cpu")
+    options = config.options()
+    # what an engine process rebuilds from the method and options it is started with is the driver's half
+    assert (options.recipe if options else None) == recipe.engine
     assert config.quantization == method and config.device == "cpu"
     assert not config.return_routed_experts  # a dense model routes nothing
-    assert engine_config(cfg, str(tiny_checkpoint("qwen3_moe")), "cpu").return_routed_experts
+    assert engine_config(cfg, recipe.engine, str(tiny_checkpoint("qwen3_moe")), "cpu").return_routed_experts
 
 
 def test_rollout_requant_reaches_the_engines_options():
@@ -106,10 +109,10 @@ def test_rollout_requant_reaches_the_engines_options():
 
     assert get_args(get_type_hints(RolloutConfig)["requant"]) == tuple(REQUANTS)
     cfg = load_config(None, ["precision=fp8", "rollout.requant=compiled"])
-    assert engine_quantization(cfg)[1]["requant"] == "compiled"
     from qurl_mcore.models.tiny import tiny_checkpoint
 
-    assert engine_config(cfg, str(tiny_checkpoint("qwen3")), "cpu").options().requant == "compiled"
+    engine = cfg.recipe().engine
+    assert engine_config(cfg, engine, str(tiny_checkpoint("qwen3")), "cpu").options().requant == "compiled"
     with pytest.raises(ValueError, match="rollout.requant"):
         load_config(None, ["rollout.requant=jit"])
 

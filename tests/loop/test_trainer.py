@@ -17,7 +17,7 @@ from qurl_mcore.rollout.engine import RolloutEngine
 def _trainer(*overrides: str) -> PolicyTrainer:
     cfg = load_config(None, ["model.path=tiny-llama", "train.lr=1e-3", "uaq.enabled=false",
                              "precision=bf16", *overrides])
-    return PolicyTrainer(cfg)
+    return PolicyTrainer(cfg, cfg.recipe())
 
 
 def _batch(trainer: PolicyTrainer, seed: int = 0, behav_from_model: bool = True):
@@ -214,7 +214,7 @@ def test_push_streams_one_bucket_at_a_time():
 
     trainer = _trainer("rollout.push_bucket_mb=1")
     try:
-        engine = _RecordingEngine(engine_config(trainer.cfg, str(trainer.hf_dir), "cpu"))
+        engine = _RecordingEngine(engine_config(trainer.cfg, trainer.recipe.engine, str(trainer.hf_dir), "cpu"))
         trainer.engines, trainer.engine_ids = [engine], [0]
         trainer.push_weights("v1")
     finally:

@@ -20,7 +20,7 @@ def _trainer(arch: str, *overrides: str):
 
     cfg = load_config(None, [f"model.path={tiny_checkpoint(arch, tokenizer=False)}", "precision=bf16",
                              "uaq.enabled=false", "train.loss=ppo", "train.lr=1e-3", *overrides])
-    return PolicyTrainer(cfg)
+    return PolicyTrainer(cfg, cfg.recipe())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])

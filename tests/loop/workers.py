@@ -41,7 +41,7 @@ def train_step(rank: int, world_size: int, overrides: list[str]) -> dict:
     """One step on `batch()`; the metrics, and the gradient and updated weights in HF names (rank 0)."""
     cfg = load_config(None, ["train.lr=1e-3", "uaq.enabled=false", "precision=bf16", "train.loss=ppo",
                              "train.grad_clip=0", "train.micro_batch_size=2", *overrides])
-    trainer = PolicyTrainer(cfg, rank=rank, world_size=world_size)
+    trainer = PolicyTrainer(cfg, cfg.recipe(), rank=rank, world_size=world_size)
     try:
         metrics = trainer.step(batch(moe=trainer.moe))
         grads = _hf(trainer, {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()})

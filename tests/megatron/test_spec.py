@@ -6,7 +6,7 @@ from qurl_mcore.megatron.gpt import build_gpt, gpt_config
 from qurl_mcore.megatron.spec import gpt_spec, linear_group
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.quant import PerTensor
-from qurl_mcore.recipe import resolve
+from qurl_mcore.recipe import check_runnable, resolve, te_fp8_available
 from tests.conftest import requires_cuda
 
 from .helpers import random_ids
@@ -124,6 +124,16 @@ def test_transformer_engine_needs_megatrons_fp8_settings(megatron_ws1):
     assert not resolve("fp4", te_available=True).te  # per-block FP4 runs the qurl_mcore.quant emulation
     with pytest.raises(ValueError, match="precision 'fp8_e2e' on Transformer Engine needs config.fp8='e4m3'"):
         gpt_spec(gpt_config(tiny_checkpoint("qwen3")), recipe)
+
+
+@pytest.mark.skipif(te_fp8_available(), reason="this process can run Transformer Engine")
+def test_a_rank_refuses_a_transformer_engine_recipe_it_cannot_run():
+    """The driver decides TE for the whole run (its trainers' devices, the software every node shares); a rank
+    that cannot run TE (here: no CUDA device) refuses the recipe it was handed, naming the fix, and one that
+    can run what it received is let through."""
+    with pytest.raises(RuntimeError, match="precision 'fp8_e2e' trains on Transformer Engine.*gpu-te.txt"):
+        check_runnable(resolve("fp8_e2e", "all", te_available=True))
+    check_runnable(resolve("fp8_e2e", "all", te_available=False))  # the emulation runs anywhere
 
 
 def test_rc_is_closer_to_bf16_than_plain_fp4(megatron_ws1):
