@@ -275,7 +275,7 @@ def _compare(args: argparse.Namespace) -> int:
             raise ValueError("give at least one CONFIG besides the key=value overrides")
         done = compare(variants, args.seeds, Path(args.out), base=Path(args.base) if args.base else None,
                        overrides=overrides, last=args.last, report_only=args.report_only,
-                       drop_checkpoints=args.drop_checkpoints, jobs=args.jobs,
+                       drop_checkpoints=args.drop_checkpoints, jobs=args.jobs, mixed_commits=args.mixed_commits,
                        say=lambda line: print(f"qurl compare: {line}"))
     except (ConfigError, ValueError, OSError) as err:
         print(f"qurl compare: {err}", file=sys.stderr)
@@ -304,6 +304,9 @@ def _add_compare(sub) -> None:
                    help="runs at once (default 1); with RAY_ADDRESS, the cluster must have room for them all")
     p.add_argument("--drop-checkpoints", action="store_true",
                    help="delete a run's checkpoints once it finished (a later, longer config then redoes it)")
+    p.add_argument("--mixed-commits", action="store_true",
+                   help="let one label's runs come from different code (refused otherwise: records name their "
+                        "commit)")
     p.set_defaults(func=_compare)
 
 

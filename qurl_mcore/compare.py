@@ -11,6 +11,11 @@ Resumable: a run whose run.json says it reached the config's steps is skipped (r
 changed since, other than `steps`); any other run is started with the same command, and `qurl train`
 resumes it from its last checkpoint. Ctrl-C stops the running runs with a checkpoint and starts no other.
 
+Records name their code (`qurl_mcore.provenance`): code.json holds the commit (and whether the tree had changes)
+that started a run, run.json the one that finished it, and the report shows each run's. A label whose runs were
+or would be made by different code is refused before anything starts (a row must compare like with like), unless
+`mixed_commits` (`--mixed-commits`) says that is meant.
+
 A config is a `qurl train` YAML file; with `--base`, it is a partial one whose fields override the base's
 (one base per study, a few lines per variant). `--set key=value` applies to every run.
 
@@ -36,6 +41,7 @@ from typing import Callable, Mapping, Sequence
 from .config import Config, flatten, load_config, read_yaml, to_dict
 from .loop.outcome import EXIT_FINISHED, EXIT_STOPPED
 from .loop.tracking import read_metrics
+from .provenance import CodeVersion, code_version
 
 #: (metric, title) in report order; a metric no run logged is left out
 METRICS: tuple[tuple[str, str], ...] = (
@@ -52,6 +58,8 @@ METRICS: tuple[tuple[str, str], ...] = (
 #: fields compare sets for each run itself
 PER_RUN_FIELDS = ("seed", "checkpoint.dir", "logging.dir")
 RUN_RESULT = "run.json"
+#: the code that started a run (written at its first start)
+RUN_CODE = "code.json"
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
 
 
@@ -223,35 +231,79 @@ class Outcome:
     stopped: bool  # interrupted: the current run checkpointed, the later ones were not started
 
 
-def start(run: Run) -> subprocess.Popen:
-    """Start `qurl train` for one run, its output appended to train.log."""
+def _recorded(run: Run, name: str) -> str | None:
+    """The code label (`CodeVersion.label`) in the run's `name` record; None without one (or from before
+    records named their code)."""
+    path = run.dir / name
+    if not path.is_file():
+        return None
+    done = json.loads(path.read_text())
+    return CodeVersion(done["commit"], done.get("dirty")).label() if "commit" in done else None
+
+
+def code_of(run: Run, now: CodeVersion | None = None) -> set[str]:
+    """The code that made the run so far (what finished it: run.json; else what started it: code.json;
+    "unrecorded" for records from before they named their code), and `now` when it is to run again."""
+    if (run.dir / RUN_RESULT).is_file():
+        code = {_recorded(run, RUN_RESULT) or "unrecorded"}
+    else:
+        code = {_recorded(run, RUN_CODE)} - {None}
+    return code | {now.label()} if now is not None else code
+
+
+def check_commits(runs: Sequence[Run], todo: Sequence[bool], now: CodeVersion) -> None:
+    """Refuse a label whose runs are or would be made by different code (`todo`: which runs `now`, the
+    code of this invocation, is about to run)."""
+    by_label: dict[str, set[str]] = {}
+    for run, runs_now in zip(runs, todo):
+        by_label.setdefault(run.variant.label, set()).update(code_of(run, now if runs_now else None))
+    mixed = {label: sorted(code) for label, code in by_label.items() if len(code) > 1}
+    if mixed:
+        rows = "; ".join(f"{label}: {', '.join(code)}" for label, code in mixed.items())
+        raise ValueError(f"runs of different code would share a row ({rows}): check out the commit the study "
+                         "was made with, or start it again in a new --out, or pass --mixed-commits to put "
+                         "them in one row anyway")
+
+
+def _code_record(code: CodeVersion) -> dict:
+    return {"commit": code.commit, "dirty": code.dirty, "version": code.version}
+
+
+def start(run: Run, code: CodeVersion) -> subprocess.Popen:
+    """Start `qurl train` for one run, its output appended to train.log; the first start records `code`."""
     run.dir.mkdir(parents=True, exist_ok=True)
+    if not (run.dir / RUN_CODE).is_file():
+        (run.dir / RUN_CODE).write_text(json.dumps(_code_record(code)))
     with open(run.dir / "train.log", "ab") as log:  # the child keeps its own descriptor
-        log.write(f"$ {shlex.join(run.command)}\n".encode())
+        log.write(f"$ {shlex.join(run.command)}  # code {code.label()}\n".encode())
         log.flush()
         return subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT)
 
 
-def conclude(run: Run, code: int, wall_s: float, drop_checkpoints: bool = False) -> None:
-    """After a run's `qurl train` exited with `code` (`qurl_mcore.loop.outcome`): run.json if it finished, and
-    its checkpoints deleted if asked."""
+def conclude(run: Run, code: int, wall_s: float, version: CodeVersion, drop_checkpoints: bool = False) -> None:
+    """After a run's `qurl train` exited with `code` (`qurl_mcore.loop.outcome`): run.json (with the code
+    `version` that finished it) if it finished, and its checkpoints deleted if asked."""
     if code == EXIT_FINISHED:
         (run.dir / RUN_RESULT).write_text(json.dumps(
-            {"steps": run.cfg.steps, "wall_s": round(wall_s, 1), "config": to_dict(run.cfg)}))
+            {"steps": run.cfg.steps, "wall_s": round(wall_s, 1), **_code_record(version), "config": to_dict(run.cfg)}))
         if drop_checkpoints:
             shutil.rmtree(run.cfg.checkpoint.dir, ignore_errors=True)
 
 
 def compare(variants: Sequence[Variant], seeds: Sequence[int], out: Path, *, base: Path | None = None,
             overrides: Sequence[str] = (), last: int = 4, report_only: bool = False, drop_checkpoints: bool = False,
-            jobs: int = 1, say: Callable[[str], None] = print) -> Outcome:
+            jobs: int = 1, mixed_commits: bool = False, say: Callable[[str], None] = print) -> Outcome:
     """Run what is not finished yet (nothing with `report_only`), up to `jobs` runs at once, then write the
     report from every run's metrics so far. `drop_checkpoints` deletes a run's checkpoints once it finished (a
-    study's runs are 1.6 GB each with SmolLM2); a run made longer later then starts over."""
+    study's runs are 1.6 GB each with SmolLM2); a run made longer later then starts over. `mixed_commits` lets
+    one label's runs come from different code (refused otherwise, before anything starts)."""
     if jobs < 1:
         raise ValueError(f"--jobs {jobs}: at least one run at a time")
     runs = runs_of(variants, seeds, Path(out), base, overrides)
     done = [finished(run) for run in runs]  # every changed config refused before anything starts
+    version = code_version()
+    if not mixed_commits:
+        check_commits(runs, [not (was_done or report_only) for was_done in done], version)
     todo = []
     for i, (run, was_done) in enumerate(zip(runs, done) if not report_only else [], 1):
         if was_done:
@@ -265,7 +317,7 @@ def compare(variants: Sequence[Variant], seeds: Sequence[int], out: Path, *, bas
             while todo and len(running) < jobs and not stopped:
                 where, run = todo.pop(0)
                 say(f"{where}: running {run.cfg.steps} steps (log {run.dir / 'train.log'})")
-                running[where] = (run, start(run), time.monotonic())
+                running[where] = (run, start(run, version), time.monotonic())
             if stopped and not running:
                 break
             ended = [(w, r, p.returncode, t) for w, (r, p, t) in running.items() if p.poll() is not None]
@@ -273,7 +325,7 @@ def compare(variants: Sequence[Variant], seeds: Sequence[int], out: Path, *, bas
                 time.sleep(0.2)
             for where, run, code, began in ended:
                 del running[where]
-                conclude(run, code, time.monotonic() - began, drop_checkpoints)
+                conclude(run, code, time.monotonic() - began, version, drop_checkpoints)
                 if code == EXIT_STOPPED:
                     say(f"{where}: stopped with a checkpoint; run the same command to resume")
                     stopped = True
@@ -284,7 +336,7 @@ def compare(variants: Sequence[Variant], seeds: Sequence[int], out: Path, *, bas
                     say(f"{where}: done in {time.monotonic() - began:.0f} s")
     except KeyboardInterrupt:  # the runs got the same SIGINT: each writes a checkpoint and exits
         for where, (run, process, began) in running.items():
-            conclude(run, process.wait(), time.monotonic() - began, drop_checkpoints)
+            conclude(run, process.wait(), time.monotonic() - began, version, drop_checkpoints)
             say(f"{where}: stopped with a checkpoint; run the same command to resume")
         stopped = True
     return Outcome(write_report(runs, Path(out) / "report", last), failed, stopped)
@@ -351,8 +403,8 @@ def plot(records: Mapping[str, Sequence[Sequence[Mapping]]], path: Path) -> list
 
 def write_report(runs: Sequence[Run], out_dir: Path, last: int) -> Path:
     """curves.png, table.md, table.json and report.md (which shows the other two) in `out_dir`; returns
-    report.md. table.json also holds, per run, the steps it logged and the wall time of the `qurl train`
-    invocation that finished it."""
+    report.md. table.json also holds, per run, the steps it logged, the wall time of the `qurl train`
+    invocation that finished it and the code that made it (`code_of`)."""
     by_seed = _records(runs)
     records = {label: [r for r in seeds.values() if r] for label, seeds in by_seed.items()}
     labels = list(records)
@@ -366,9 +418,12 @@ def write_report(runs: Sequence[Run], out_dir: Path, last: int) -> Path:
         result = run.dir / RUN_RESULT
         wall = json.loads(result.read_text())["wall_s"] if result.is_file() else None
         logged.setdefault(run.variant.label, {})[run.seed] = {"steps": len(by_seed[run.variant.label][run.seed]),
-                                                              "wall_s": wall}
+                                                              "wall_s": wall, "code": sorted(code_of(run))}
     (out_dir / "table.json").write_text(json.dumps({"last_k": last, "metrics": table, "runs": logged}, indent=1))
     page = out_dir / "report.md"
     figure = "![curves: mean over seeds, min-max band](curves.png)\n\n" if plotted else "No run logged metrics yet.\n\n"
-    page.write_text(f"# qurl compare: {', '.join(labels)}\n\n{figure}{text}")
+    code = "".join(f"| {label} | {seed} | {', '.join(run['code']) or '—'} |\n" for label, seeds in logged.items()
+                   for seed, run in seeds.items())
+    page.write_text(f"# qurl compare: {', '.join(labels)}\n\n{figure}{text}\n\n## Code of each run\n\n"
+                    f"| label | seed | code (commit) |\n|---|---|---|\n{code}")
     return page

@@ -146,10 +146,61 @@ def test_report_only_aggregates_what_the_runs_logged(tmp_path):
     table = json.loads((out / "report" / "table.json").read_text())
     assert table["metrics"]["reward/mean"]["int8"]["mean"] == pytest.approx((0.75 + 0.3) / 2)
     assert table["metrics"]["reward/mean"]["bf16"]["n"] == 1  # seed 1 of bf16 logged nothing
-    assert table["runs"]["int8"] == {"0": {"steps": 3, "wall_s": None}, "1": {"steps": 3, "wall_s": None}}
+    # no run.json or code.json: runs made by hand name no code
+    assert table["runs"]["int8"] == {"0": {"steps": 3, "wall_s": None, "code": []},
+                                     "1": {"steps": 3, "wall_s": None, "code": []}}
     text = done.report.read_text()
     assert "| int8 | 2 | 0.525 ± 0.32 | 0.02 ± 0.014 |" in text and "| bf16 | 1 | 0.4 | — |" in text
     assert (out / "report" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _finish(run, commit: str | None, dirty: bool = False) -> None:
+    run.dir.mkdir(parents=True, exist_ok=True)
+    code = {"commit": commit, "dirty": dirty} if commit else {}
+    (run.dir / "run.json").write_text(json.dumps({"steps": run.cfg.steps, "wall_s": 1.0, **code,
+                                                  "config": to_dict(run.cfg)}))
+
+
+def test_one_row_holds_runs_of_one_commit_unless_asked(tmp_path):
+    """Seeds 0 and 1 of a label finished at different commits: the report refuses to average them, names
+    both and the ways out, and shows each run's code when asked to mix them."""
+    config = tmp_path / "int8.yaml"
+    config.write_text("steps: 2\n")
+    out = tmp_path / "out"
+    variants = [parse_variant(str(config))]
+    runs = runs_of(variants, [0, 1], out)
+    a, b = "a" * 40, "b" * 40
+    _finish(runs[0], a)
+    _finish(runs[1], b, dirty=True)
+    for run in runs:
+        _write_records(run, [0.0, 1.0])
+    with pytest.raises(ValueError, match=r"runs of different code would share a row \(int8: aaaaaaaaaa, "
+                                         r"bbbbbbbbbb\+dirty\).*--mixed-commits"):
+        compare(variants, [0, 1], out, report_only=True)
+    done = compare(variants, [0, 1], out, report_only=True, mixed_commits=True)
+    table = json.loads((out / "report" / "table.json").read_text())
+    assert [table["runs"]["int8"][s]["code"] for s in ("0", "1")] == [["aaaaaaaaaa"], ["bbbbbbbbbb+dirty"]]
+    assert "| int8 | 1 | bbbbbbbbbb+dirty |" in done.report.read_text()
+    _finish(runs[1], a)  # one commit: one row
+    compare(variants, [0, 1], out, report_only=True)
+
+
+def test_an_unfinished_run_is_not_resumed_by_other_code(tmp_path, monkeypatch):
+    """Seed 0 finished before records named their code, seed 1 is to run now: two kinds of code in one row,
+    refused before anything starts (nothing is written)."""
+    from qurl_mcore import compare as compare_module
+    from qurl_mcore.provenance import CodeVersion
+
+    monkeypatch.setattr(compare_module, "code_version", lambda: CodeVersion("c" * 40, False))
+    config = tmp_path / "int8.yaml"
+    config.write_text("steps: 2\n")
+    out = tmp_path / "out"
+    variants = [parse_variant(str(config))]
+    runs = runs_of(variants, [0, 1], out)
+    _finish(runs[0], None)
+    with pytest.raises(ValueError, match=r"\(int8: cccccccccc, unrecorded\)"):
+        compare(variants, [0, 1], out, say=lambda line: None)
+    assert not runs[1].dir.exists()
 
 
 def test_cli_refuses_a_bad_study_before_running_anything(tmp_path, capsys):
@@ -194,6 +245,10 @@ def test_two_tiny_configs_two_seeds_then_a_second_invocation_starts_nothing(tmp_
     assert set(table["metrics"]["uaq/update_capture"]) == {"int8"}  # only the quantized rollout has codes to move
     report = (out / "report" / "report.md").read_text()
     assert "| int8 | 2 |" in report and "| bf16 | 2 |" in report and "curves.png" in report
+    from qurl_mcore.provenance import code_version
+
+    for path in out.glob("*/seed*/run.json"):  # the record names the code that made it
+        assert json.loads(path.read_text())["commit"] == code_version().commit
     logs = sorted(out.glob("*/seed*/train.log"))
     assert len(logs) == 4
     before = {p: p.stat().st_size for p in logs}
