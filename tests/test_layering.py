@@ -39,8 +39,8 @@ ALLOWED: dict[str, tuple[str, frozenset[str]]] = {name: (what, frozenset(deps)) 
     ("preflight", "`qurl train --check`", ("config", "heldout", "placement", "precision", "models", "sizing",
                                            "sglang", "tasks")),
     ("loop", "the RL loop: trainer, engines, driver, evaluation", (
-        "checkpoint", "config", "heldout", "megatron", "models", "placement", "precision", "preflight", "recipe",
-        "rl", "rollout", "runlock", "sglang", "tasks", "transfer", "uaq")),
+        "checkpoint", "config", "heldout", "megatron", "models", "placement", "precision", "preflight", "provenance",
+        "recipe", "rl", "rollout", "runlock", "sglang", "tasks", "transfer", "uaq")),
     ("export", "`qurl export`", ("checkpoint", "config", "megatron", "models")),
     ("align", "`qurl align`", ("megatron", "models", "precision", "rl", "rollout", "recipe")),
     ("compare", "`qurl compare`", ("config", "loop", "provenance")),

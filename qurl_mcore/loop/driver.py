@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import ray
@@ -36,6 +36,7 @@ from qurl_mcore.config import Config, ConfigError, flatten, to_dict
 from qurl_mcore.models import resolve_model_path
 from qurl_mcore.precision import quantized_linears
 from qurl_mcore.preflight import preflight
+from qurl_mcore.provenance import code_version
 from qurl_mcore.rl.advantages import dynamic_sampling_mask, grpo_advantages, rloo_advantages
 from qurl_mcore.runlock import lock_dirs
 
@@ -328,8 +329,10 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     logs = Path(cfg.logging.dir)
     warnings_to_file(logs / "driver.log")
     precision, scope, _ = cfg.resolved_precision()
+    code = code_version()  # named in the run's first line and its W&B config: which code made these metrics
     say(f"{cfg.steps} steps of {cfg.model.path}, precision {precision.name} (scope {scope}), {cfg.layout}, "
-        f"{cfg.train.world_size} trainer rank(s), {cfg.rollout.engines} engine(s); logs in {logs}")
+        f"{cfg.train.world_size} trainer rank(s), {cfg.rollout.engines} engine(s); code {code.label()}; "
+        f"logs in {logs}")
     owns_ray = not ray.is_initialized()
     if owns_ray:
         # "local": never attach to a cluster some earlier `ray start` left behind on this machine
@@ -344,7 +347,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
             raise
     stop = StopRequest()  # after ray.init, whose own SIGTERM handler would abort the driver
     torch.manual_seed(cfg.seed)
-    log = MetricsLog(logs, wandb_project=cfg.logging.wandb_project, run_config=to_dict(cfg))
+    log = MetricsLog(logs, wandb_project=cfg.logging.wandb_project, run_config={**to_dict(cfg), "code": asdict(code)})
     loop = Loop(cfg, stop)
     try:
         loop.write_pids()

@@ -95,6 +95,10 @@ def test_dense_loop_logs_every_metric_checkpoints_and_reports(dense_run):
     names = sorted(p.name for p in (dense_run / "ckpt").iterdir())
     assert names == ["hf", "step_00000002", "step_00000003"]  # keep=2, and the final model for transformers
     assert (dense_run / "ckpt" / "hf" / "model.safetensors.index.json").is_file()
+    from qurl_mcore.provenance import code_version
+
+    # the run names the code that made it (its first line)
+    assert f"; code {code_version().label()}; logs in" in (dense_run / "out.log").read_text()
 
 
 @pytest.mark.slow
