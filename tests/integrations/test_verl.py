@@ -24,6 +24,8 @@ from qurl_mcore.rl.losses import policy_loss
 from ..patching.copies import installed_copy
 from .verl_server import PATCHED, ROLLOUT, patched_rollout, sglang_server
 
+HOOK_MODULE = "qurl_mcore.integrations.verl_rollout"  # verl's VERL_USE_EXTERNAL_MODULES loads it at `import verl`
+
 # verl's loss_agg_mode -> our aggregation of the same micro-batch reduction (verl's agg_loss in core_algos.py)
 SAME_REDUCTION = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean",
                   "seq-mean-token-sum": "seq_mean_token_sum"}
@@ -182,6 +184,36 @@ def patched_verl(patched_site) -> SimpleNamespace:
         yield patched_rollout(patched_site, partial(mp.setitem, sys.modules))
 
 
+def test_the_import_hook_patches_verl_as_qurl_patch_does(monkeypatch, patched_site):
+    """Importing qurl_mcore.integrations.verl_rollout puts a hook first on sys.meta_path that loads the modules
+    the pinned set changes from the installed files with the set applied in memory: the text `qurl patch apply`
+    writes, shown by `inspect` too; the venv's files stay as published. The hook refuses to come after one of
+    those modules was imported, and has nothing to do where the set is applied on disk."""
+    import importlib
+    import inspect
+
+    from qurl_mcore.patching import PatchSet
+
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the hook goes with this test
+    for name in [*(ROLLOUT + n for n in PATCHED), HOOK_MODULE]:  # absent during the test, as before it after
+        monkeypatch.setitem(sys.modules, name, None)
+        monkeypatch.delitem(sys.modules, name)
+    hooked = importlib.import_module(HOOK_MODULE)
+    assert sys.meta_path[0] is hooked.HOOK
+    paths = {ROLLOUT + n: f"{(ROLLOUT + n).replace('.', '/')}.py" for n in PATCHED}
+    installed = PatchSet.installed("verl")
+    assert hooked.HOOK.sources == {name: (installed.root / path, (patched_site / path).read_text())
+                                   for name, path in paths.items()}
+    engine = importlib.import_module(ROLLOUT + "http_server_engine")
+    assert isinstance(engine.__spec__.loader, hooked.PatchedSourceLoader)
+    assert not engine.AsyncHttpServerAdapter.__abstractmethods__  # patch 03: verl's rollout can connect
+    assert '"begin_weight_update", {"selector"' in inspect.getsource(engine.AsyncHttpServerAdapter.begin_weight_update)
+    assert set(installed.status().values()) == {"clean"}  # nothing written to site-packages
+    with pytest.raises(ImportError, match="http_server_engine imported already, unpatched; load the hook"):
+        hooked.install()
+    assert hooked.patched_sources(PatchSet.load("verl", patched_site, installed.version)) == {}
+
+
 def test_rollout_engine_kwargs_reach_sglang_server_args(monkeypatch, tiny_llama, patched_verl):
     """Patched, verl's SGLangHttpServer.launch_server gets past line 375 (dataclasses.fields of SGLang 0.5.23's
     msgspec ServerArgs), loads SGLang's plugins as SGLang's Engine does, and makes the ServerArgs its engine
@@ -229,11 +261,11 @@ def test_rollout_engine_kwargs_reach_sglang_server_args(monkeypatch, tiny_llama,
 
 
 @pytest.mark.slow  # a real engine: `make test`, not test-fast
-def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patched_site, patched_verl, monkeypatch,
-                                                              tmp_path):
+def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patched_verl, monkeypatch, tmp_path):
     """Patched, verl 0.9.1 runs SGLang 0.5.23 with our plugin: its SGLangHttpServer.launch_server, in a process of
-    its own as in a verl run (verl_server.py), starts a CPU engine with `quantization: qurl_int8` and verl's
-    default `load_format: dummy`; its ServerAdapter.update_weights, here, pushes weights in SGLang's update
+    its own as in a verl run (verl_server.py) and patched there at import (`VERL_USE_EXTERNAL_MODULES=
+    qurl_mcore.integrations.verl_rollout`, the installed files as published), starts a CPU engine with
+    `quantization: qurl_int8` and verl's default `load_format: dummy`; its ServerAdapter.update_weights, here, pushes weights in SGLang's update
     session. After each push the engine serves the quantized reference of a checkpoint holding the pushed
     weights (re-quantized at the session's end) and is tagged with verl's global_steps; a push that fails midway
     still closes the session and tags the engine `incomplete:<steps>`; pushing the checkpoint again restores the
@@ -371,9 +403,9 @@ def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patche
         return got
 
     server = subprocess.Popen(
-        [sys.executable, "-m", "tests.integrations.verl_server", str(patched_site), tiny_llama,
-         json.dumps(sglang_kwargs)], cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}, start_new_session=True)
+        [sys.executable, "-m", "tests.integrations.verl_server", tiny_llama, json.dumps(sglang_kwargs)],
+        cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "VERL_USE_EXTERNAL_MODULES": HOOK_MODULE})
     sharing = mp.get_sharing_strategy()
     mp.set_sharing_strategy("file_system")  # a server we did not fork cannot take file descriptors: named files
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
