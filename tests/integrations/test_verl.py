@@ -17,7 +17,7 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl.workers.config import FSDPActorConfig, HFModelConfig, PolicyLossConfig, RolloutConfig
 
-from qurl_mcore.integrations.verl import AGG_MODES, REGISTERED_LOSSES
+from qurl_mcore.integrations.verl import AGG_MODES, REGISTERED_LOSSES, uaq_start_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.rl.losses import policy_loss
 
@@ -167,6 +167,27 @@ def test_external_lib_registers_the_losses(monkeypatch, tiny_llama):
     assert set(REGISTERED_LOSSES) <= set(core_algos.POLICY_LOSS_REGISTRY)
 
 
+def test_uaq_start_checkpoint_is_the_same_model_in_uaqs_parameterisation(tmp_path, tiny_llama):
+    """UAQ for verl is its run started from this copy: norm gains times s, the linears that read them divided by
+    s, v and up (scaled and unscaled once each) and the embeddings as they were; transformers computes the same
+    logits from it, up to the bf16 rounding of the scaled tensors (2^-8 relative)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    s = 1.5
+    out = uaq_start_checkpoint(tiny_llama, tmp_path / "uaq", s)
+    before, after = load_file(f"{tiny_llama}/model.safetensors"), load_file(f"{out}/model.safetensors")
+    exponent = {"input_layernorm": 1, "post_attention_layernorm": 1, "q_proj": -1, "k_proj": -1, "o_proj": -1,
+                "gate_proj": -1, "down_proj": -1, "v_proj": 0, "up_proj": 0, "embed_tokens": 0, "lm_head": 0}
+    for name, tensor in before.items():
+        k = next((k for part, k in exponent.items() if f".{part}." in f".{name}"), 0)
+        assert torch.equal(after[name], (tensor.float() * s**k).to(tensor.dtype)), name
+    assert sum(not torch.equal(before[n], after[n]) for n in before) == 7 * 2  # 7 tensors in each of 2 layers
+    ids = torch.arange(1, 17)[None] * 37
+    logits = [AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)(ids).logits for p in (tiny_llama, out)]
+    assert (logits[0] - logits[1]).abs().max() < 1e-2 * logits[0].abs().max()
+
+
 @pytest.fixture(scope="module")
 def patched_site(tmp_path_factory) -> Path:
     """A copy of the installed verl files that patches/verl/0.9.1 touches, with the set applied."""
@@ -265,15 +286,15 @@ def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patche
     """Patched, verl 0.9.1 runs SGLang 0.5.23 with our plugin: its SGLangHttpServer.launch_server, in a process of
     its own as in a verl run (verl_server.py) and patched there at import (`VERL_USE_EXTERNAL_MODULES=
     qurl_mcore.integrations.verl_rollout`, the installed files as published), starts a CPU engine with
-    `quantization: qurl_int8` and verl's default `load_format: dummy`; its ServerAdapter.update_weights, here, pushes weights in SGLang's update
-    session. After each push the engine serves the quantized reference of a checkpoint holding the pushed
-    weights (re-quantized at the session's end) and is tagged with verl's global_steps; a push that fails midway
-    still closes the session and tags the engine `incomplete:<steps>`; pushing the checkpoint again restores the
-    first push's engine bitwise. Last, verl's delta checkpoint engine (`checkpoint_engine.backend=delta_sharded`):
-    two sparse flushes, as its `receive_weights` yields them, changing half the entries of layer 0's projections,
-    go through `update_weights(wire_format="delta_flush")` and verl's own loader (`delta_loader.apply_delta`,
-    registered as SGLang's custom weight loader): the engine then serves the quantized reference of the
-    original weights with those entries changed, and is tagged with the step.
+    `quantization: qurl_int8` and verl's default `load_format: dummy`; its ServerAdapter.update_weights, here,
+    pushes weights in SGLang's update session. After each push the engine serves the quantized reference of a
+    checkpoint holding the pushed weights (re-quantized at the session's end) and is tagged with verl's
+    global_steps; a push that fails midway still closes the session and tags the engine `incomplete:<steps>`;
+    pushing the checkpoint again restores the first push's engine bitwise. Last, verl's delta checkpoint engine
+    (`checkpoint_engine.backend=delta_sharded`): two sparse flushes, as its `receive_weights` yields them, changing
+    half the entries of layer 0's projections, go through `update_weights(wire_format="delta_flush")` and verl's own
+    loader (`delta_loader.apply_delta`, registered as SGLang's custom weight loader): the engine then serves the
+    quantized reference of the original weights with those entries changed, and is tagged with the step.
 
     Stand-ins for what a CPU host without Ray or CUDA lacks: the ServerAdapter gets the server's address as its
     Ray lookup would (`_init_server_adapter`) and records the global_steps it would send the server's actor,
