@@ -442,7 +442,10 @@ def _held_warnings(command, args: argparse.Namespace) -> int:
     """Run `command` with the Python warnings of the libraries it imports held back (Megatron-Core's "Apex is
     not installed", ...): shown after it when it succeeds (exit 0), dropped when it fails, where they would bury
     its one-line error. qurl_mcore's own warnings are always shown. A run that routes warnings to its log
-    (`qurl train`) does so from then on."""
+    (`qurl train`) does so from then on. Warning options (`python -W`, `PYTHONWARNINGS=default`) turn the
+    holding off: every warning as it comes, as Python shows it."""
+    if sys.warnoptions:
+        return command(args)
     with warnings.catch_warnings(record=True) as held:
         code = command(args)
     ours = str(Path(__file__).parent)
