@@ -31,8 +31,9 @@ RUN python3 -m pip install --no-cache-dir --no-build-isolation -r requirements/g
 
 COPY . .
 
-# The package itself; its dependencies are steps 1 and 2.
-RUN python3 -m pip install --no-cache-dir --no-deps . \
+# The package itself, editable as in the README: `qurl patch` and the verl hook read the checkout's patches/;
+# its dependencies are steps 1 and 2.
+RUN python3 -m pip install --no-cache-dir --no-deps -e . \
     && qurl --version
 
 CMD ["qurl", "--help"]
