@@ -9,8 +9,8 @@ already imported unpatched. verl imports the modules named in `VERL_USE_EXTERNAL
     VERL_USE_EXTERNAL_MODULES=qurl_mcore.integrations.verl_rollout,qurl_mcore.integrations.verl
 
 `actor_rollout_ref.model.external_lib` cannot carry it: verl imports that from `HFModelConfig.__post_init__`
-(`verl/workers/config/model.py:149`), and the rollout server's Ray actor builds its `HFModelConfig` in
-`SGLangHttpServer.__init__`, after Ray imported the class's module, which is one of the patched ones.
+(`verl/workers/config/model.py:149`), which in the rollout server's Ray actor runs, if at all (it may be handed
+a built config), in `SGLangHttpServer.__init__`, after Ray imported the class's module, one of the patched ones.
 
 When `qurl patch apply --target verl` patched the files already, the hook has nothing to do and installs
 nothing; a set applied in part is refused, as `qurl patch` refuses it.
