@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import sys
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -437,4 +438,22 @@ def main(argv: list[str] | None = None) -> int:
                           "write it unscaled")
     exp.set_defaults(func=_export)
     args = parser.parse_args(argv)
-    return args.func(args)
+    return _held_warnings(args.func, args)
+
+
+def _held_warnings(command, args: argparse.Namespace) -> int:
+    """Run `command` with the Python warnings of the libraries it imports held back (Megatron-Core's "Apex is
+    not installed", ...): shown after it when it succeeds (exit 0), dropped when it fails, where they would bury
+    its one-line error. qurl_mcore's own warnings are always shown. A run that routes warnings to its log
+    (`qurl train`) does so from then on. Warning options (`python -W`, `PYTHONWARNINGS=default`) turn the
+    holding off: every warning as it comes, as Python shows it."""
+    if sys.warnoptions:
+        return command(args)
+    with warnings.catch_warnings(record=True) as held:
+        code = command(args)
+    ours = str(Path(__file__).parent)
+    for w in held:
+        if code == 0 or w.filename.startswith(ours):
+            print(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line), end="",
+                  file=sys.stderr)
+    return code

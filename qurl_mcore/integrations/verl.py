@@ -18,6 +18,7 @@ units · dp_size / (the mini-batch's units), `aggregation_units` being what it d
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
@@ -93,5 +94,31 @@ def _clip_options(config: Any) -> dict[str, float]:
     return options
 
 
+def uaq_start_checkpoint(hf_dir: str | Path, out_dir: str | Path, uaq_scale: float) -> Path:
+    """`hf_dir`, an HF checkpoint, written to `out_dir` in UAQ's parameterisation with factor s = `uaq_scale`
+    (QuRL §4.3, `qurl_mcore.uaq`): the same model, each tensor times s^k for its role, in fp32, stored in its
+    own dtype. A verl run that starts from it (`actor_rollout_ref.model.path`) trains with UAQ: its optimizer
+    holds the scaled weights from the first step, and its weight updates push them as they are, which the
+    engine serves and re-quantizes as it does any weights. `qurl export DIR OUT --uaq-scale s` takes one of
+    the run's HF checkpoints back to the usual parameterisation."""
+    from qurl_mcore.megatron.export import unscale_hf_checkpoint  # lazy: loads Megatron-Core
+
+    if not uaq_scale > 0:
+        raise ValueError(f"uaq_scale {uaq_scale}: the UAQ factor s is positive (QuRL's 1.5)")
+    return unscale_hf_checkpoint(hf_dir, out_dir, 1.0 / uaq_scale)  # unscaling by 1/s scales by s
+
+
 for _method in REGISTERED_LOSSES:
     register_policy_loss(_method)(partial(verl_policy_loss, method=_method))
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m qurl_mcore.integrations.verl",
+                                     description=uaq_start_checkpoint.__doc__.split("\n\n")[0])
+    parser.add_argument("hf_dir", help="the base model's HF checkpoint directory")
+    parser.add_argument("out_dir", help="the UAQ-scaled copy to write (verl's actor_rollout_ref.model.path)")
+    parser.add_argument("--uaq-scale", type=float, default=1.5, help="UAQ's s (default 1.5, QuRL's)")
+    args = parser.parse_args()
+    print(uaq_start_checkpoint(args.hf_dir, args.out_dir, args.uaq_scale))

@@ -17,12 +17,14 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl.workers.config import FSDPActorConfig, HFModelConfig, PolicyLossConfig, RolloutConfig
 
-from qurl_mcore.integrations.verl import AGG_MODES, REGISTERED_LOSSES
+from qurl_mcore.integrations.verl import AGG_MODES, REGISTERED_LOSSES, uaq_start_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.rl.losses import policy_loss
 
 from ..patching.copies import installed_copy
 from .verl_server import PATCHED, ROLLOUT, patched_rollout, sglang_server
+
+HOOK_MODULE = "qurl_mcore.integrations.verl_rollout"  # verl's VERL_USE_EXTERNAL_MODULES loads it at `import verl`
 
 # verl's loss_agg_mode -> our aggregation of the same micro-batch reduction (verl's agg_loss in core_algos.py)
 SAME_REDUCTION = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean",
@@ -165,6 +167,27 @@ def test_external_lib_registers_the_losses(monkeypatch, tiny_llama):
     assert set(REGISTERED_LOSSES) <= set(core_algos.POLICY_LOSS_REGISTRY)
 
 
+def test_uaq_start_checkpoint_is_the_same_model_in_uaqs_parameterisation(tmp_path, tiny_llama):
+    """UAQ for verl is its run started from this copy: norm gains times s, the linears that read them divided by
+    s, v and up (scaled and unscaled once each) and the embeddings as they were; transformers computes the same
+    logits from it, up to the bf16 rounding of the scaled tensors (2^-8 relative)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    s = 1.5
+    out = uaq_start_checkpoint(tiny_llama, tmp_path / "uaq", s)
+    before, after = load_file(f"{tiny_llama}/model.safetensors"), load_file(f"{out}/model.safetensors")
+    exponent = {"input_layernorm": 1, "post_attention_layernorm": 1, "q_proj": -1, "k_proj": -1, "o_proj": -1,
+                "gate_proj": -1, "down_proj": -1, "v_proj": 0, "up_proj": 0, "embed_tokens": 0, "lm_head": 0}
+    for name, tensor in before.items():
+        k = next((k for part, k in exponent.items() if f".{part}." in f".{name}"), 0)
+        assert torch.equal(after[name], (tensor.float() * s**k).to(tensor.dtype)), name
+    assert sum(not torch.equal(before[n], after[n]) for n in before) == 7 * 2  # 7 tensors in each of 2 layers
+    ids = torch.arange(1, 17)[None] * 37
+    logits = [AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)(ids).logits for p in (tiny_llama, out)]
+    assert (logits[0] - logits[1]).abs().max() < 1e-2 * logits[0].abs().max()
+
+
 @pytest.fixture(scope="module")
 def patched_site(tmp_path_factory) -> Path:
     """A copy of the installed verl files that patches/verl/0.9.1 touches, with the set applied."""
@@ -180,6 +203,36 @@ def patched_verl(patched_site) -> SimpleNamespace:
     """verl's SGLang rollout modules, patched, in sys.modules for this module's tests."""
     with pytest.MonkeyPatch.context() as mp:
         yield patched_rollout(patched_site, partial(mp.setitem, sys.modules))
+
+
+def test_the_import_hook_patches_verl_as_qurl_patch_does(monkeypatch, patched_site):
+    """Importing qurl_mcore.integrations.verl_rollout puts a hook first on sys.meta_path that loads the modules
+    the pinned set changes from the installed files with the set applied in memory: the text `qurl patch apply`
+    writes, shown by `inspect` too; the venv's files stay as published. The hook refuses to come after one of
+    those modules was imported, and has nothing to do where the set is applied on disk."""
+    import importlib
+    import inspect
+
+    from qurl_mcore.patching import PatchSet
+
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the hook goes with this test
+    for name in [*(ROLLOUT + n for n in PATCHED), HOOK_MODULE]:  # absent during the test, as before it after
+        monkeypatch.setitem(sys.modules, name, None)
+        monkeypatch.delitem(sys.modules, name)
+    hooked = importlib.import_module(HOOK_MODULE)
+    assert sys.meta_path[0] is hooked.HOOK
+    paths = {ROLLOUT + n: f"{(ROLLOUT + n).replace('.', '/')}.py" for n in PATCHED}
+    installed = PatchSet.installed("verl")
+    assert hooked.HOOK.sources == {name: (installed.root / path, (patched_site / path).read_text())
+                                   for name, path in paths.items()}
+    engine = importlib.import_module(ROLLOUT + "http_server_engine")
+    assert isinstance(engine.__spec__.loader, hooked.PatchedSourceLoader)
+    assert not engine.AsyncHttpServerAdapter.__abstractmethods__  # patch 03: verl's rollout can connect
+    assert '"begin_weight_update", {"selector"' in inspect.getsource(engine.AsyncHttpServerAdapter.begin_weight_update)
+    assert set(installed.status().values()) == {"clean"}  # nothing written to site-packages
+    with pytest.raises(ImportError, match="http_server_engine imported already, unpatched; load the hook"):
+        hooked.install()
+    assert hooked.patched_sources(PatchSet.load("verl", patched_site, installed.version)) == {}
 
 
 def test_rollout_engine_kwargs_reach_sglang_server_args(monkeypatch, tiny_llama, patched_verl):
@@ -229,19 +282,19 @@ def test_rollout_engine_kwargs_reach_sglang_server_args(monkeypatch, tiny_llama,
 
 
 @pytest.mark.slow  # a real engine: `make test`, not test-fast
-def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patched_site, patched_verl, monkeypatch,
-                                                              tmp_path):
+def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patched_verl, monkeypatch, tmp_path):
     """Patched, verl 0.9.1 runs SGLang 0.5.23 with our plugin: its SGLangHttpServer.launch_server, in a process of
-    its own as in a verl run (verl_server.py), starts a CPU engine with `quantization: qurl_int8` and verl's
-    default `load_format: dummy`; its ServerAdapter.update_weights, here, pushes weights in SGLang's update
-    session. After each push the engine serves the quantized reference of a checkpoint holding the pushed
-    weights (re-quantized at the session's end) and is tagged with verl's global_steps; a push that fails midway
-    still closes the session and tags the engine `incomplete:<steps>`; pushing the checkpoint again restores the
-    first push's engine bitwise. Last, verl's delta checkpoint engine (`checkpoint_engine.backend=delta_sharded`):
-    two sparse flushes, as its `receive_weights` yields them, changing half the entries of layer 0's projections,
-    go through `update_weights(wire_format="delta_flush")` and verl's own loader (`delta_loader.apply_delta`,
-    registered as SGLang's custom weight loader): the engine then serves the quantized reference of the
-    original weights with those entries changed, and is tagged with the step.
+    its own as in a verl run (verl_server.py) and patched there at import (`VERL_USE_EXTERNAL_MODULES=
+    qurl_mcore.integrations.verl_rollout`, the installed files as published), starts a CPU engine with
+    `quantization: qurl_int8` and verl's default `load_format: dummy`; its ServerAdapter.update_weights, here,
+    pushes weights in SGLang's update session. After each push the engine serves the quantized reference of a
+    checkpoint holding the pushed weights (re-quantized at the session's end) and is tagged with verl's
+    global_steps; a push that fails midway still closes the session and tags the engine `incomplete:<steps>`;
+    pushing the checkpoint again restores the first push's engine bitwise. Last, verl's delta checkpoint engine
+    (`checkpoint_engine.backend=delta_sharded`): two sparse flushes, as its `receive_weights` yields them, changing
+    half the entries of layer 0's projections, go through `update_weights(wire_format="delta_flush")` and verl's own
+    loader (`delta_loader.apply_delta`, registered as SGLang's custom weight loader): the engine then serves the
+    quantized reference of the original weights with those entries changed, and is tagged with the step.
 
     Stand-ins for what a CPU host without Ray or CUDA lacks: the ServerAdapter gets the server's address as its
     Ray lookup would (`_init_server_adapter`) and records the global_steps it would send the server's actor,
@@ -371,9 +424,9 @@ def test_patched_verl_launches_sglang_and_updates_its_weights(tiny_llama, patche
         return got
 
     server = subprocess.Popen(
-        [sys.executable, "-m", "tests.integrations.verl_server", str(patched_site), tiny_llama,
-         json.dumps(sglang_kwargs)], cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}, start_new_session=True)
+        [sys.executable, "-m", "tests.integrations.verl_server", tiny_llama, json.dumps(sglang_kwargs)],
+        cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "VERL_USE_EXTERNAL_MODULES": HOOK_MODULE})
     sharing = mp.get_sharing_strategy()
     mp.set_sharing_strategy("file_system")  # a server we did not fork cannot take file descriptors: named files
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

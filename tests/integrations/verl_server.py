@@ -1,8 +1,9 @@
 """verl 0.9.1's SGLang rollout modules as `qurl patch apply --target verl` leaves them, loaded from a patched copy
-of the installed files (the venv's verl stays as published), and verl's SGLang server run from them in a process
-of its own, as verl's Ray actor runs it:
+of the installed files (the venv's verl stays as published), and verl's SGLang server run in a process of its
+own, as verl's Ray actor runs it, with the same patches applied at import instead:
 
-    python -m tests.integrations.verl_server SITE MODEL_PATH SGLANG_KWARGS_JSON
+    VERL_USE_EXTERNAL_MODULES=qurl_mcore.integrations.verl_rollout python -m tests.integrations.verl_server \
+        MODEL_PATH SGLANG_KWARGS_JSON
 
 launches the server (`SGLangHttpServer.launch_server`, HYBRID mode, on 127.0.0.1), prints `PORT <port>` and serves
 until killed; its SGLang processes share its process group. A process of its own, not the test's: SGLang's
@@ -47,8 +48,15 @@ def sglang_server(rollout_modules: SimpleNamespace, sglang_kwargs: dict, model_p
         nnodes=1, cuda_visible_devices="", base_gpu_id=0)
 
 
-async def serve(site: Path, model_path: str, sglang_kwargs: dict) -> None:
-    server = sglang_server(patched_rollout(site, sys.modules.__setitem__), sglang_kwargs, model_path)
+async def serve(model_path: str, sglang_kwargs: dict) -> None:
+    import verl.workers.rollout.sglang_rollout.async_sglang_server as module  # patched by the hook, if loaded
+
+    from qurl_mcore.integrations.verl_rollout import PatchedSourceLoader
+
+    if not isinstance(module.__spec__.loader, PatchedSourceLoader):
+        raise SystemExit("verl's rollout was imported unpatched: set VERL_USE_EXTERNAL_MODULES="
+                         "qurl_mcore.integrations.verl_rollout")
+    server = sglang_server(SimpleNamespace(async_sglang_server=module), sglang_kwargs, model_path)
     server._server_address = "127.0.0.1"  # verl listens on Ray's node address; tests stay on loopback
     await server.launch_server()
     print(f"PORT {server.get_server_address()[1]}", flush=True)
@@ -56,4 +64,4 @@ async def serve(site: Path, model_path: str, sglang_kwargs: dict) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(serve(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])))
+    asyncio.run(serve(sys.argv[1], json.loads(sys.argv[2])))
