@@ -29,7 +29,8 @@ def test_te_widths_give_every_rank_a_multiple_of_16_tokens(width, tp, padded):
 
 def test_a_batch_padded_for_te_gives_the_update_of_the_unpadded_one():
     """The same trainer and batch, once with the width padded as TE FP8 needs (its recipe says TE; the
-    tiny model itself runs on the CPU), once unpadded: same loss and gradients up to fp32 rounding."""
+    tiny model itself runs on the CPU), once unpadded: same loss and gradients up to fp32 rounding, and no
+    query row of any attention mask the trainer builds is fully masked."""
     trainer = _trainer("train.micro_batch_size=4")
     try:
         batch = _batch(trainer, behav_from_model=False)
@@ -47,10 +48,14 @@ def test_a_batch_padded_for_te_gives_the_update_of_the_unpadded_one():
         width = batch.input_ids.shape[1]
         for pad in (padded_batch.attention_mask, padded_batch.response_mask):
             assert not pad[:, width:].any()
+        masks = []  # the attention masks of the trainer's forwards: no query row may be fully masked (cuDNN)
+        hook = trainer.model.register_forward_pre_hook(lambda module, args: masks.append(args[2]))
         padded = trainer.step(batch)
+        hook.remove()
         padded_grads = _grads(trainer)
     finally:
         trainer.close()
+    assert masks and all(m.shape[-1] == 16 and (~m).any(-1).all() for m in masks)
     assert padded["train/skipped_nonfinite"] == plain["train/skipped_nonfinite"] == 0.0
     for key in ("loss/policy", "train/grad_norm", "is_ratio/mean", "train/response_tokens"):
         assert padded[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
