@@ -98,21 +98,26 @@ def scaled_mm_out_dtype(gpu: str) -> tuple[str, str]:
     return asked[0], str(out.dtype)
 
 
-def engine_push_masters(master: str) -> dict:
+def engine_pushes(masters: list[str]) -> dict[str, dict]:
+    """`engine_push` for each `master` option, in this one process (SGLang imports once)."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # as every SGLang process does: the qurl plugin registers its hooks, SGLang applies them
+    return {master: engine_push(master) for master in masters}
+
+
+def engine_push(master: str) -> dict:
     """R3: a qurl_int8 engine's linears on a fake GPU through SGLang 0.5.23's own loader code: the load's
     quantization (`postprocess_weights`), then a push as `begin_weight_update`, the loaders' writes and
-    `end_weight_update` run it, each layer inside SGLang's `device_loading_context`. The plugin is loaded as
-    every SGLang process loads it (`load_plugins`: its hooks applied). Returns the masters' devices during and
-    after the push, the masters' bytes, and the CUDA bytes above what the load left: after the push's begin, at
-    the push's peak and after its end."""
+    `end_weight_update` run it, each layer inside SGLang's `device_loading_context`. Returns the masters'
+    devices during and after the push, the masters' bytes, and the CUDA bytes above what the load left: after
+    the push's begin, at the push's peak and after its end."""
     from sglang.srt.layers.linear import ReplicatedLinear
     from sglang.srt.model_loader.loader import DefaultModelLoader
-    from sglang.srt.plugins import load_plugins
 
     from qurl_mcore.sglang.options import QurlOptions
     from qurl_mcore.sglang.quant_config import CONFIGS
 
-    load_plugins()
     config = CONFIGS["qurl_int8"](QurlOptions.parse("qurl_int8", {"master": master}))
     shapes = {"model.layers.0.self_attn.o_proj": (512, 256), "model.layers.0.mlp.down_proj": (512, 1024),
               "model.layers.1.self_attn.o_proj": (512, 256), "model.layers.1.mlp.down_proj": (512, 1024)}
@@ -125,15 +130,16 @@ def engine_push_masters(master: str) -> dict:
         for layer in layers.values():  # the checkpoint's BF16 weights
             layer.weight.weight_loader(layer.weight, torch.empty_like(layer.weight))
         DefaultModelLoader.postprocess_weights(model, cuda)  # the load's quantization
-        masters = lambda: sorted({str(layer._qurl_masters["weight"].device) if "weight" not in layer._parameters
-                                  else str(layer.weight.device) for layer in layers.values()})  # noqa: E731
-        out = {"loaded": masters()}
 
+        def masters() -> list[str]:  # the devices of the masters, on the layer (in a push) or waiting apart
+            return sorted({str(layer.weight.device) if "weight" in layer._parameters
+                           else str(layer._qurl_masters["weight"].device) for layer in layers.values()})
 
         def live() -> int:  # CUDA bytes alive now
             trace.reset_peak()
             return trace.live_bytes
 
+        out = {"loaded": masters()}
         base = live()
         DefaultModelLoader.restore_weights_before_loading(model, cuda)  # begin_weight_update
         out["during"] = masters()
