@@ -39,12 +39,20 @@ _HOMES = "_qurl_homes"
 LOADING_CONTEXT = "sglang.srt.model_loader.loader.device_loading_context"
 
 
+_registered = False
+
+
 def register() -> None:
     """Hook `masters_stay_put` around SGLang's `device_loading_context` (applied by SGLang's `load_plugins`
-    after the plugins ran; imports SGLang)."""
+    after the plugins ran; imports SGLang). Idempotent."""
+    global _registered
+    if _registered:
+        return
+    # SGLang only where the plugin is loaded: the rest of this module serves the quant methods alone
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(LOADING_CONTEXT, masters_stay_put, HookType.AROUND)
+    _registered = True
 
 
 def masters_stay_put(original: Callable, module: torch.nn.Module, target_device: torch.device):
