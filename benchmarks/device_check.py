@@ -1,6 +1,14 @@
 """The GPU check's sections (benchmarks/device_check.sh runs this on the lent GPU machine), one summary line
-each, skipped once the time budget no longer fits them:
+each, in this order. Each section has a time budget (`SECTIONS`); one whose budget no longer fits in the time
+left is skipped and reported, one that ran past its budget says so. `--dry-run` (any machine, no GPU) prints
+which sections the budget would run, without running them.
 
+  trainer-padded a tiny Llama step (fp8_e2e: Transformer Engine where installed, else the emulation) on a
+                 batch of varied lengths, its width padded as the recipe needs: finite gradients, no skipped
+                 update; and SDPA's backward on padded rows under each backend torch offers (cuDNN included):
+                 finite with the trainer's mask, and whether a fully masked row would give NaN there
+  trainer-overlap steps of 2, 1 and 3 micro-batches on one trainer (Megatron's DDP with overlap_grad_reduce):
+                 every step finite and none skipped
   trainer-tiny   a tiny Llama step in bf16 with Megatron's DDP and distributed optimizer at world size 1,
                  against the same step on the CPU (fp32, in a process without CUDA): loss, peak memory
   rollout-graphs each rollout method's linear (and emulated MoE experts) captured in a CUDA graph, replayed
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -103,21 +112,126 @@ def on_cpu(model_path: str, rows: int, length: int, vocab: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def section(name: str, deadline: float, need_s: float, body) -> None:
-    left = deadline - time.monotonic()
-    if left < need_s:
-        print(f"SECTION {name}: skipped ({left:.0f} s left, needs ~{need_s:.0f} s)", flush=True)
-        return
+def varied_batch(vocab: int):
+    """8 prompts and responses of varied lengths: padding in every row but the longest (61 tokens, a width no
+    multiple of 16)."""
+    from qurl_mcore.loop.batch import Sample, collate
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [(5, 3), (12, 14), (19, 25), (6, 36), (13, 10), (20, 41), (7, 32), (14, 6)]
+    samples = [Sample(torch.randint(3, vocab, (p,), generator=g).tolist(),
+                      torch.randint(3, vocab, (r,), generator=g).tolist(), [-1.0] * r, group=i // 2)
+               for i, (p, r) in enumerate(lengths)]
+    return collate(samples, torch.linspace(-1.0, 1.0, len(samples)), pad_id=0)
+
+
+def trainer_steps(model_path: str, batches: list, *overrides: str) -> dict:
+    """Steps of one trainer (PPO loss) over `batches`: per step its grad norm and skipped fraction; the
+    trainer's padded width of the first batch and whether Transformer Engine ran its GEMMs."""
+    from qurl_mcore.config import load_config
+    from qurl_mcore.loop.trainer import PolicyTrainer
+
+    cfg = load_config(None, [f"model.path={model_path}", "uaq.enabled=false", "train.loss=ppo", "train.lr=1e-5",
+                             "train.micro_batch_size=4", *overrides])
+    trainer = PolicyTrainer(cfg)
+    try:
+        width = trainer._pad_width(batches[0]).input_ids.shape[1]
+        steps = [trainer.step(b) for b in batches]
+        return {"norms": [m["train/grad_norm"] for m in steps], "skipped": [m["train/skipped_nonfinite"] for m in steps],
+                "width": width, "te": trainer.recipe.te}
+    finally:
+        trainer.close()
+
+
+def sdpa_padded_grads(device: str) -> dict[str, tuple[bool, bool]]:
+    """Per SDPA backend this torch offers on `device`: whether the query gradient of a padded batch is finite
+    with the trainer's mask (a padding query attends to itself), and with padding rows fully masked."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from qurl_mcore.megatron.logprobs import attention_mask_for, segments
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    b, h, s, d = 2, 4, 64, 64
+    lengths = torch.tensor([64, 23])
+    seg = segments(torch.arange(s)[None] < lengths[:, None], None, (b, s)).to(device)
+    ours = ~attention_mask_for(seg)
+    padding = (seg < 0)[:, None, :, None]
+    fully_masked = ours & ~padding  # the padding rows attend to nothing
+    out = {}
+    for backend in (SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        finite = []
+        for mask in (ours, fully_masked):
+            q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+            try:
+                with sdpa_kernel(backend):
+                    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                (o * ~padding).sum().backward()  # padding outputs are never scored
+            except RuntimeError:  # no kernel of this backend for these inputs here
+                break
+            finite.append(bool(torch.isfinite(q.grad).all()))
+        if len(finite) == 2:
+            out[backend.name] = tuple(finite)
+    return out
+
+
+def padded_section(device: str) -> str:
+    """trainer-padded on this process's trainer device, SDPA on `device`."""
+    from qurl_mcore.models.tiny import tiny_checkpoint
+
+    data = varied_batch(1000)
+    r = trainer_steps(str(tiny_checkpoint("llama", tokenizer=False)), [data], "precision=fp8_e2e")
+    sdpa = sdpa_padded_grads(device)
+    ok = all(math.isfinite(n) for n in r["norms"]) and r["skipped"] == [0.0] and all(a for a, _ in sdpa.values())
+    return (f"{'ok' if ok else 'NON-FINITE'}: width {data.input_ids.shape[1]} -> {r['width']} "
+            f"({'Transformer Engine' if r['te'] else 'emulated FP8, no TE'}), grad norm {r['norms'][0]:.4f}, "
+            f"skipped {r['skipped'][0]:.0f}; SDPA dQ finite (trainer's mask / fully masked rows): "
+            + ", ".join(f"{k} {a}/{b}" for k, (a, b) in sdpa.items()))
+
+
+def overlap_section(length: int = 64) -> str:
+    """trainer-overlap: 8, 4 and 12 rows of `length` tokens, 4 per micro-batch."""
+    from qurl_mcore.models.tiny import tiny_checkpoint
+
+    batches = [batch(rows, length, 1000) for rows in (8, 4, 12)]
+    r = trainer_steps(str(tiny_checkpoint("llama", tokenizer=False)), batches, "precision=bf16")
+    ok = all(math.isfinite(n) for n in r["norms"]) and not any(r["skipped"])
+    return (f"{'ok' if ok else 'NON-FINITE'}: 2, 1, 3 micro-batches, grad norms "
+            + ", ".join(f"{n:.4f}" for n in r["norms"]) + f", skipped {r['skipped']}")
+
+
+#: section -> its time budget in seconds (on the lent H200, measured with room), in the order they run
+SECTIONS = {"trainer-padded": 40, "trainer-overlap": 35, "trainer-tiny": 45, "gpu-tests": 90, "rollout-graphs": 25,
+            "rollout-decode": 25, "trainer-moe": 30, "rollout-requant": 80, "trainer-1b": 110, "quant-throughput": 110}
+#: the default budget: the sections that fit, with the script's setup, in under 5 minutes
+BUDGET_S = 240.0
+
+
+def section(name: str, left: float, body, dry_run: bool = False) -> float:
+    """Run `body` as section `name` if its budget (`SECTIONS`) fits in the `left` seconds, printing one line:
+    its result, or why it was skipped, or FAIL. Returns the seconds it took (a dry run: its budget; 0 when
+    skipped)."""
+    budget = SECTIONS[name]
+    if left < budget:
+        print(f"SECTION {name}: skipped ({left:.0f} s left, its budget {budget} s)", flush=True)
+        return 0.0
+    if dry_run:
+        print(f"SECTION {name}: would run (budget {budget} s)", flush=True)
+        return budget
     start = time.monotonic()
     try:
-        print(f"SECTION {name}: {body()} [{time.monotonic() - start:.0f} s]", flush=True)
+        result = body()
     except Exception as err:  # noqa: BLE001 - one line per section, whatever happened
-        print(f"SECTION {name}: FAIL {type(err).__name__}: {str(err)[-600:]}", flush=True)
+        result = f"FAIL {type(err).__name__}: {str(err)[-600:]}"
+    took = time.monotonic() - start
+    over = f", over its {budget} s budget" if took > budget else ""
+    print(f"SECTION {name}: {result} [{took:.0f} s{over}]", flush=True)
+    return took
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for all sections")
+    parser.add_argument("--dry-run", action="store_true", help="print which sections the budget runs; run none")
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
     models = Path(os.environ.get("QURL_CACHE_DIR", "/tmp/qurl-cache"))
@@ -145,7 +259,8 @@ def main() -> None:
 
     def gpu_tests():
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                              *GPU_TESTS], cwd=ROOT, capture_output=True, text=True, timeout=400)
+                              *GPU_TESTS], cwd=ROOT, capture_output=True, text=True,
+                             timeout=SECTIONS["gpu-tests"] + 60)
         return out.stdout.strip().splitlines()[-1] + ("" if out.returncode == 0 else "\n" + out.stdout[-3000:])
 
     def graphs():
@@ -170,14 +285,14 @@ def main() -> None:
         return f"8192^2 fp32 copy {base * 1e3:.2f} ms; eager/compiled x copy: " + ", ".join(
             f"{fmt}/{gran} {e:.1f}/{c:.1f}" for fmt, gran, e, c in rows)
 
-    section("trainer-tiny", deadline, 60, tiny)
-    section("rollout-graphs", deadline, 30, graphs)
-    section("rollout-decode", deadline, 30, decode)
-    section("rollout-requant", deadline, 90, requant)  # compiling 3 formats included
-    section("trainer-1b", deadline, 120, one_b)
-    section("trainer-moe", deadline, 40, moe)
-    section("gpu-tests", deadline, 90, gpu_tests)
-    section("quant-throughput", deadline, 120, throughput)
+    bodies = {"trainer-padded": lambda: padded_section("cuda"), "trainer-overlap": overlap_section, "trainer-tiny": tiny, "gpu-tests": gpu_tests,
+              "rollout-graphs": graphs, "rollout-decode": decode, "trainer-moe": moe,
+              "rollout-requant": requant,  # compiling 3 formats included
+              "trainer-1b": one_b, "quant-throughput": throughput}
+    spent = 0.0  # a dry run counts each section it would run at its budget
+    for name in SECTIONS:
+        left = args.budget_s - spent if args.dry_run else deadline - time.monotonic()
+        spent += section(name, left, bodies[name], args.dry_run)
 
 
 if __name__ == "__main__":

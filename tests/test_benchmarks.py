@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,3 +33,37 @@ def test_the_7b_weight_set_is_qwen25_7b_linears():
     per_layer = [(3584, 3584), (512, 3584), (512, 3584), (3584, 3584), (18944, 3584), (18944, 3584), (3584, 18944)]
     linears = rollout_kernels.qwen25_7b_linears()
     assert sorted(linears) == sorted(per_layer * 28)
+
+
+def _device_check():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import device_check
+
+    return device_check
+
+
+def test_device_check_dry_run_reports_every_section_within_its_budget():
+    """`--dry-run` (no GPU needed) lists every section in order, running those whose budgets fit in the
+    total and reporting the others skipped; the default total leaves the run, setup included, under 5 minutes."""
+    dc = _device_check()
+    assert dc.BUDGET_S + 60 <= 300  # 60 s: the script's wheel install, imports and nvidia-smi
+    for budget in (dc.BUDGET_S, 100):
+        out = subprocess.run([sys.executable, "benchmarks/device_check.py", "--dry-run", "--budget-s", str(budget)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = re.findall(r"^SECTION ([\w-]+): (would run|skipped) \((?:budget (\d+) s|.*)\)$", out.stdout, re.M)
+        assert [name for name, _, _ in lines] == list(dc.SECTIONS)
+        ran = [int(b) for _, what, b in lines if what == "would run"]
+        assert ran and sum(ran) <= budget and len(ran) < len(lines)
+    assert lines[:2] == [("trainer-padded", "would run", "40"), ("trainer-overlap", "would run", "35")]
+
+
+@pytest.mark.slow
+def test_device_check_padded_and_overlap_sections_run_on_the_cpu():
+    """The two trainer sections the GPU check adds (padded micro-batches: N4, N5; 2, 1, 3 micro-batches: N1),
+    here on the CPU (SDPA's math backend only), so their first run on a GPU is not the first run at all."""
+    dc = _device_check()
+    assert dc.varied_batch(1000).input_ids.shape[1] == 61
+    padded = dc.padded_section("cpu")
+    assert padded.startswith("ok: width 61 -> 61 (emulated FP8, no TE)") and "MATH True/" in padded, padded
+    assert dc.overlap_section(length=16).startswith("ok: 2, 1, 3 micro-batches")

@@ -54,6 +54,21 @@ from .tracking import redirect_output
 # warnings go to the rank's log, which __init__ opens first.
 
 
+#: Transformer Engine's FP8 GEMMs take a linear's input rows (the tokens on a rank) in multiples of 16: the
+#: forward checks 8 (TE `assert_dim_for_fp8_exec`: the product of the leading dims); the weight-gradient GEMM
+#: contracts over the tokens, and an FP8 TN GEMM needs its inner dimension a multiple of 16
+#: (`check_dim_for_fp8_exec`, Megatron's `get_fp8_align_size` for per-tensor scaling).
+TE_FP8_TOKEN_MULTIPLE = 16
+
+
+def width_multiple(tp_size: int, te_fp8: bool) -> int:
+    """The multiple a training batch's width (tokens per row) is padded to: `tp_size`, since sequence
+    parallelism gives each TP rank width/TP tokens of a row; times `TE_FP8_TOKEN_MULTIPLE` when Transformer
+    Engine runs FP8 GEMMs (`Recipe.te`), so each rank's width/TP · rows tokens is a multiple of it whatever the
+    micro-batch's number of rows."""
+    return tp_size * (TE_FP8_TOKEN_MULTIPLE if te_fp8 else 1)
+
+
 class PolicyTrainer:
     """One rank of the actor: a Megatron GPTModel on the rank's device (the trainer side of `recipe`, the run's
     resolved precision: `Config.recipe`, UAQ-scaled when on) inside Megatron's DDP and optimizer (megatron/training.py), a frozen
@@ -117,9 +132,9 @@ class PolicyTrainer:
 
     # -- log-probs ------------------------------------------------------------------------------------------
     def _pad_width(self, batch: TrainBatch) -> TrainBatch:
-        """Sequence parallelism splits the sequence over TP ranks: pad the width to a multiple of TP."""
-        tp = self.cfg.train.tp_size
-        extra = -batch.input_ids.shape[1] % tp
+        """Pad the width to `width_multiple` (sequence parallelism, FP8 on Transformer Engine); the padding is
+        masked out of attention keys and of the loss, so the update is that of the unpadded batch."""
+        extra = -batch.input_ids.shape[1] % width_multiple(self.cfg.train.tp_size, self.recipe.te)
         if not extra:
             return batch
         pad = lambda x, v: torch.nn.functional.pad(x, (0, extra), value=v)  # noqa: E731

@@ -9,6 +9,10 @@ Megatron's local attention materialises the [b, heads, s, s] scores in fp32 (at 
 segments, not only causal, which is why this and not TE's causal-typed fused attention) in O(s) memory.
 On the CPU `gpt_spec` keeps Megatron's own attention by default (bitwise the stock spec); a test checks that
 both agree there.
+
+The mask never masks a whole query row (`logprobs.attention_mask_for`: a padding query attends to itself):
+whichever backend SDPA picks may then run, cuDNN included, whose backward gives NaN query gradients for a
+fully masked row.
 """
 from __future__ import annotations
 

@@ -51,11 +51,16 @@ def segments(attention_mask: Tensor | None, segment_ids: Tensor | None, shape: t
 
 def attention_mask_for(seg: Tensor) -> Tensor:
     """Megatron's boolean attention mask [b, 1, s, s], True = may NOT attend: key after query, another
-    segment, or padding."""
+    segment, or padding — except that a padding query attends to itself. No row is then fully masked: a fully
+    masked row has no softmax, and SDPA's cuDNN backend (torch ≥ 2.11 on H100/H200) returns NaN query
+    gradients for one, which would make every padded step non-finite. A padding position's output is never
+    scored (`logprobs_from_logits`) and no real token attends to it, so real tokens' values and gradients are
+    unchanged."""
     s = seg.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=seg.device).tril()
     same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0)
-    return ~(causal & same)[:, None]
+    itself = torch.eye(s, dtype=torch.bool, device=seg.device) & (seg < 0)[:, :, None]
+    return ~(causal & same | itself)[:, None]
 
 
 @dataclass

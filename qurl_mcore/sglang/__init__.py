@@ -13,8 +13,9 @@ __all__ = ["METHODS", "QurlOptions", "register"]
 
 def register() -> None:
     """Add the qurl methods to SGLang's registries and its `--quantization` choices, complete the CPU engine
-    (cpu.py), give an SGLang without weight-update sessions one per update call (session.py), and bind the
-    process's rendezvous stores to their address (transfer.py). Idempotent."""
+    (cpu.py), give an SGLang without weight-update sessions one per update call (session.py), keep host masters
+    out of SGLang's device staging (weights.py), and bind the process's rendezvous stores to their address
+    (transfer.py). Idempotent."""
     # SGLang only when it loads the plugin: the client imports .options without SGLang
     from sglang.srt.layers import quantization as q
     from sglang.srt.server_args import QUANTIZATION_CHOICES  # where 0.5.15 (slime's image) and 0.5.23 both have it
@@ -22,11 +23,12 @@ def register() -> None:
     from qurl_mcore.transfer import bind_stores_to_their_address
 
     # these import SGLang: only once SGLang loads the plugin (the client imports .options alone)
-    from . import cpu, session
+    from . import cpu, session, weights
     from .quant_config import CONFIGS
 
     cpu.register()
     session.register()  # an SGLang without weight-update sessions (0.5.15): each update call becomes one
+    weights.register()  # host masters stay on the host through SGLang's device_loading_context
     bind_stores_to_their_address()  # the scheduler's rendezvous store listens on 127.0.0.1, not everywhere
 
     for method, cls in CONFIGS.items():

@@ -15,8 +15,19 @@ Lifecycle of one weight `W` of a quantized layer (SGLang 0.5.23):
                                  time from a copy at home (`at_home`), so the device never holds more than
                                  one matrix of masters; the quantized tensors are overwritten in place, so
                                  captured CUDA graphs keep reading valid memory
+
+SGLang runs a layer's restore and re-quantization inside `device_loading_context(layer, device)`
+(model_loader/loader.py), which stages every tensor registered on the layer on the engine's device for the
+call and afterwards sends a tensor newly registered during it (a re-attached master) to the device too: every
+host master would reach the GPU at the start of a push and stay there until its end, and the re-quantization
+would copy each layer's masters up whole. A layer that holds qurl masters therefore skips that staging
+(`masters_stay_put`, a hook the plugin registers): its restore only re-attaches masters where they wait, and
+its re-quantization copies one matrix at a time home itself (`at_home`).
 """
 from __future__ import annotations
+
+import contextlib
+from typing import Callable
 
 import torch
 
@@ -24,6 +35,32 @@ from qurl_mcore.quant import QTensor
 
 _MASTERS = "_qurl_masters"
 _HOMES = "_qurl_homes"
+#: SGLang's staging of a layer's tensors on the engine's device around its restore/re-quantization
+LOADING_CONTEXT = "sglang.srt.model_loader.loader.device_loading_context"
+
+
+_registered = False
+
+
+def register() -> None:
+    """Hook `masters_stay_put` around SGLang's `device_loading_context` (applied by SGLang's `load_plugins`
+    after the plugins ran; imports SGLang). Idempotent."""
+    global _registered
+    if _registered:
+        return
+    # SGLang only where the plugin is loaded: the rest of this module serves the quant methods alone
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(LOADING_CONTEXT, masters_stay_put, HookType.AROUND)
+    _registered = True
+
+
+def masters_stay_put(original: Callable, module: torch.nn.Module, target_device: torch.device):
+    """SGLang's `device_loading_context(module, target_device)`, except for a layer holding qurl masters,
+    whose tensors stay where they are (module docstring)."""
+    if _HOMES in module.__dict__:
+        return contextlib.nullcontext(module)
+    return original(module, target_device)
 
 
 def detach_master(layer: torch.nn.Module, name: str, host: bool) -> None:

@@ -96,3 +96,61 @@ def scaled_mm_out_dtype(gpu: str) -> tuple[str, str]:
         with Record():
             out = quantized_matmul(a, b, backend="fp8", out_dtype=torch.float32)
     return asked[0], str(out.dtype)
+
+
+def engine_pushes(masters: list[str]) -> dict[str, dict]:
+    """`engine_push` for each `master` option, in this one process (SGLang imports once)."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # as every SGLang process does: the qurl plugin registers its hooks, SGLang applies them
+    return {master: engine_push(master) for master in masters}
+
+
+def engine_push(master: str) -> dict:
+    """R3: a qurl_int8 engine's linears on a fake GPU through SGLang 0.5.23's own loader code: the load's
+    quantization (`postprocess_weights`), then a push as `begin_weight_update`, the loaders' writes and
+    `end_weight_update` run it, each layer inside SGLang's `device_loading_context`. Returns the masters'
+    devices during and after the push, the masters' bytes, and the CUDA bytes above what the load left: after
+    the push's begin, at the push's peak and after its end."""
+    from sglang.srt.layers.linear import ReplicatedLinear
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    from qurl_mcore.sglang.options import QurlOptions
+    from qurl_mcore.sglang.quant_config import CONFIGS
+
+    config = CONFIGS["qurl_int8"](QurlOptions.parse("qurl_int8", {"master": master}))
+    shapes = {"model.layers.0.self_attn.o_proj": (512, 256), "model.layers.0.mlp.down_proj": (512, 1024),
+              "model.layers.1.self_attn.o_proj": (512, 256), "model.layers.1.mlp.down_proj": (512, 1024)}
+    with fake_cuda() as trace:
+        cuda = torch.device("cuda", 0)
+        with torch.device(cuda):  # SGLang builds the model on its device
+            layers = {name: ReplicatedLinear(k, n, bias=False, params_dtype=torch.bfloat16, quant_config=config,
+                                             prefix=name) for name, (n, k) in shapes.items()}
+        model = torch.nn.ModuleList(layers.values())
+        for layer in layers.values():  # the checkpoint's BF16 weights
+            layer.weight.weight_loader(layer.weight, torch.empty_like(layer.weight))
+        DefaultModelLoader.postprocess_weights(model, cuda)  # the load's quantization
+
+        def masters() -> list[str]:  # the devices of the masters, on the layer (in a push) or waiting apart
+            return sorted({str(layer.weight.device) if "weight" in layer._parameters
+                           else str(layer._qurl_masters["weight"].device) for layer in layers.values()})
+
+        def live() -> int:  # CUDA bytes alive now
+            trace.reset_peak()
+            return trace.live_bytes
+
+        out = {"loaded": masters()}
+        base = live()
+        DefaultModelLoader.restore_weights_before_loading(model, cuda)  # begin_weight_update
+        out["during"] = masters()
+        out["restore_bytes"] = live() - base
+        for layer in layers.values():  # update_weights_from_*: SGLang's loaders write the pushed BF16 tensors
+            pushed = torch.empty(layer.weight.shape, dtype=torch.bfloat16, device=cuda)
+            layer.weight.weight_loader(layer.weight, pushed)
+            del pushed
+        DefaultModelLoader.postprocess_weights(model, cuda)  # end_weight_update
+        out["after"] = masters()
+        out["push_peak_bytes"] = trace.peak_bytes - base
+        out["after_bytes"] = live() - base
+        out["master_bytes"] = sum(2 * n * k for n, k in shapes.values())
+    return out

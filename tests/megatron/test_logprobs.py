@@ -68,10 +68,36 @@ def test_routed_experts_equal_hf_router_choices(moe):
     assert (padded.routed_experts[:, :, :4] == -1).all() and (padded.routed_experts[:, :, 4:] >= 0).all()
 
 
-def test_attention_mask_is_causal_within_segments():
-    m = attention_mask_for(torch.tensor([[0, 0, 1, -1]]))[0, 0]
+def test_attention_mask_is_causal_within_segments_and_padding_attends_to_itself():
+    m = attention_mask_for(torch.tensor([[0, 0, 1, -1], [-1, -1, 0, 0]]))[:, 0]
     allowed = (~m).int().tolist()
-    assert allowed == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]]
+    assert allowed[0] == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+    assert allowed[1] == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]  # no real token sees padding
+
+
+def test_padding_leaves_real_tokens_gradients_unchanged(moe):
+    """Gradients of the real tokens' log-probs of a right- and a left-padded row equal those of each
+    sequence alone (no padding), so padding queries attending to themselves change nothing real."""
+    _, model = moe
+    a, b = random_ids(1, 6, seed=4), random_ids(1, 9, seed=5)
+
+    def grads(ids, mask=None):
+        model.zero_grad(set_to_none=True)
+        token_logprobs(model, ids, attention_mask=mask, grad=True).logprobs.sum().backward()
+        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    alone_a, alone_b = grads(a), grads(b)
+    ids = torch.cat([torch.cat([a, torch.zeros(1, 3, dtype=torch.long)], 1),
+                     torch.cat([torch.zeros(1, 0, dtype=torch.long), b], 1)])
+    mask = torch.tensor([[1] * 6 + [0] * 3, [1] * 9])
+    right = grads(ids, mask)
+    left = grads(torch.cat([torch.zeros(1, 3, dtype=torch.long), a], 1), torch.tensor([[0] * 3 + [1] * 6]))
+    for name, g in alone_a.items():  # fp32 rounding of sums over other batch shapes, relative to each tensor
+        both = g + alone_b[name]
+        torch.testing.assert_close(right[name], both, rtol=0, atol=1e-4 * float(both.abs().max()))
+        torch.testing.assert_close(left[name], g, rtol=0, atol=1e-4 * float(g.abs().max()))
 
 
 def test_dense_model_has_no_routes(megatron_ws1):
