@@ -66,18 +66,19 @@ def model_config(path: str) -> tuple[dict[str, Any], str]:
 def _quantized(s: Shape, precision: str, scope: str, side: str) -> frozenset[str]:
     """HF weight names `precision.quantized_linears` gives for this shape (cached: MoE models have 10^4+)."""
     c = {"model_type": s.model_type, "num_hidden_layers": s.layers, "num_experts": s.experts,
-         "shared_expert_intermediate_size": s.shared_intermediate}
+         "shared_expert_intermediate_size": s.shared_intermediate, "first_k_dense_replace": s.dense_layers}
     return frozenset(n + ".weight" for n in quantized_linears(c, precision, scope, side))
 
 
 def _layer_tensors(s: Shape, slots: tuple[Slot, ...], i: int, ep: int) -> list[list[Tensor]]:
-    """Layer i's tensors, one list per per-layer slot of the architecture table (its export order); routed
-    experts in the order `megatron.export_hf_weights` yields them under EP: local expert j of each EP rank r."""
+    """Layer i's tensors, one list per per-layer slot of the architecture table (its export order; empty where
+    the slot is not in layer i: the MoE slots of a dense layer, the dense MLP of an MoE layer); routed experts in
+    the order `megatron.export_hf_weights` yields them under EP: local expert j of each EP rank r."""
     local = s.experts // ep if s.experts else 0
     order = [r * local + j for j in range(local) for r in range(ep)]
     return [[Tensor(t.format(layer=i, expert=e), shape, i, slot.group)
              for e in (order if slot.per_expert else [None]) for t, shape in zip(slot.hf, slot.shapes(s))]
-            for slot in slots if slot.per_layer]
+            if i in s.slot_layers(slot) else [] for slot in slots if slot.per_layer]
 
 
 @functools.lru_cache(maxsize=64)

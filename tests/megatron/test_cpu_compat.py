@@ -40,6 +40,9 @@ def test_fixes_replace_the_cuda_assumptions():
 
     assert torch.device(torch.cuda.current_device()).type == "cpu"
     assert moe_utils.te_general_gemm is None
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    assert mla.HAVE_TE is False  # no Transformer Engine on this machine
     split_sizes = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
     assert isinstance(split_sizes, np.ndarray) and split_sizes.tolist() == [3, 1]
     assert torch.equal(fused_softmax.get_default_causal_mask(3),
