@@ -16,6 +16,7 @@ config as its architecture table completes it (`Architecture.config`, `Architect
              dense -> moe_layer_freq [0]*k + [1]*(L-k)
   multi-head latent attention (mla)      -> MLATransformerConfig: q_lora_rank, kv_lora_rank, qk_head_dim (the
              nope part), qk_pos_emb_head_dim, v_head_dim, rope_type "rope"
+  RoPE on part of each head (glm4_moe: partial_rotary_factor) -> rotary_percent
   tied word embeddings (SmolLM2)         -> share_embeddings_and_output_weights
   Llama 3's scaled RoPE (rope_type llama3) -> rope_scaling, rope_scaling_factor (`rope_scaling`)
 Parallel sizes are read from Megatron's initialised groups; sequence parallelism defaults to on when TP > 1
@@ -225,6 +226,8 @@ def build_gpt(
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
         position_embedding_type="rope",
         rotary_base=rope_theta(hf),
+        rotary_percent=float(_rope_parameters(hf).get("partial_rotary_factor",
+                                                      getattr(hf, "partial_rotary_factor", None) or 1.0)),
         **rope_scaling(hf),
     )
     if torch.cuda.is_available():  # torch-built norms and the router come on the CPU in fp32: every parameter on

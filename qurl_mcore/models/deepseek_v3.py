@@ -67,10 +67,13 @@ EXPERT_BIAS = (
 MOE_AFTER_DENSE = MLP + routed("mlp", "gate", "gate_proj", "up_proj", "down_proj") + EXPERT_BIAS + \
     shared("mlp.shared_experts")
 
+#: the shared experts' width of DeepSeek-V3's and GLM-4.5's configs
+SHARED_WIDTH = {"shared_expert_intermediate_size": lambda c: c.get("n_shared_experts", 0) *
+                c.get("moe_intermediate_size", 0)}
+
 DEEPSEEK_V3 = Architecture(
     "deepseek_v3", EMBEDDING + MLA + MOE_AFTER_DENSE + FINAL, always=frozenset({"mla", "sigmoid_router"}),
-    computed={"shared_expert_intermediate_size": lambda c: c.get("n_shared_experts", 0) *
-              c.get("moe_intermediate_size", 0)},
+    computed=SHARED_WIDTH,
     tiny={"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
           "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4,
           "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .deepseek_v3 import DEEPSEEK_V3
+from .glm4_moe import GLM4_MOE
 from .llama import LLAMA, QWEN2, QWEN3
 from .mixtral import MIXTRAL
 from .qwen3_moe import QWEN2_MOE, QWEN3_MOE
@@ -24,7 +25,7 @@ from .slots import Architecture, Shape, Slot, config_experts, dense_layers, patt
 
 #: HF model_type -> its table
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL,
-                                                                      QWEN2_MOE, DEEPSEEK_V3)}
+                                                                      QWEN2_MOE, DEEPSEEK_V3, GLM4_MOE)}
 
 
 def config_dict(hf_config: Any) -> dict[str, Any]:

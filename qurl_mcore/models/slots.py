@@ -190,7 +190,7 @@ def pattern(template: str) -> re.Pattern:
 class Architecture:
     """A model type's slots (in export order: embedding, per-layer slots, final norm, output layer) and the
     features of its configs. `always` are features every config of the type has; the others are read from the
-    config: `tied`/`untied` (tie_word_embeddings), `qkv_bias` (attention_bias), `shared_experts`
+    config: `tied`/`untied` (tie_word_embeddings), `qkv_bias` (attention_bias), `qk_norm` (use_qk_norm), `shared_experts`
     (shared_expert_intermediate_size). `implied` are config fields this type's config.json leaves out and its
     model code takes as given (Mixtral always renormalises the top-k: norm_topk_prob True); `aliases` name the
     field that holds another's value in this type's configs (Mixtral's experts are `intermediate_size` wide:
@@ -218,6 +218,8 @@ class Architecture:
         read = {"tied" if hf.get("tie_word_embeddings", False) else "untied"}
         if hf.get("attention_bias", False):
             read.add("qkv_bias")
+        if hf.get("use_qk_norm", False):
+            read.add("qk_norm")
         if hf.get("shared_expert_intermediate_size"):
             read.add("shared_experts")
         return self.always | read

@@ -12,7 +12,7 @@ from qurl_mcore.models.tiny import tiny_checkpoint
 
 from .helpers import hf_logits, hf_model, random_ids
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"]
 
 
 def _checkpoint(name):
@@ -37,7 +37,7 @@ def test_hf_to_megatron_to_hf_round_trip_is_exact(arch, megatron_ws1):
     assert all(torch.equal(exported[k], original[k]) for k in original)
 
 
-@pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe", "qwen2", "llama", "mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe", "qwen2", "llama", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"])
 def test_megatron_logits_equal_hf_transformers(arch, megatron_ws1):
     path = _checkpoint(arch)
     model = build_gpt(path)

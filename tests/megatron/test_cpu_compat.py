@@ -9,7 +9,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fixes
 
 def test_every_fix_applies_once():
     names = apply_cpu_compat()
-    assert names == tuple(name for name, _ in FIXES) and len(names) == 8
+    assert names == tuple(name for name, _ in FIXES) and len(names) == 9
     assert apply_cpu_compat() == names  # idempotent
 
 
