@@ -3,7 +3,8 @@ local spec (`get_gpt_layer_local_spec`) by swapping only the linears of the grou
 (`Recipe.train_groups`). Which Megatron parameter belongs to which linear group is its slot's `group` in the
 architecture table (`qurl_mcore.models`); the spec swaps, per group, the Megatron submodules below:
 
-  attention       self_attention's linear_qkv (column) and linear_proj (row)
+  attention       self_attention's linear_qkv (column) and linear_proj (row); under MLA linear_q_up_proj and
+                  linear_kv_up_proj (column) and linear_proj (row), its down projections never (`latent`)
   mlp, experts,   the MLP's linear_fc1 (column) and linear_fc2 (row): the dense MLP, every routed expert's,
   shared_experts  the shared experts'
 Routers, norms, embeddings and the output layer are never quantized (GPTModel builds the last two itself).
@@ -119,10 +120,6 @@ def gpt_spec(config: TransformerConfig, recipe: Recipe | None = None,
     core_attention = core_attention or default_attention()
     if core_attention not in CORE_ATTENTION:
         raise ValueError(f"core_attention {core_attention!r} is not one of {list(CORE_ATTENTION)}")
-    mla = bool(config.multi_latent_attention)
-    if mla and "attention" in recipe.train_groups:
-        raise NotImplementedError("a trainer quantizing MLA's projections: Megatron's MLA takes only its own "
-                                  "linears for the down projections; use scope 'experts' with deepseek_v3")
     moe = _layer(config, recipe, core_attention, config.num_moe_experts) if config.num_moe_experts else None
     dense = _layer(config, recipe, core_attention, None)
     pattern = _moe_pattern(config)
@@ -174,7 +171,10 @@ def _layer(config: TransformerConfig, recipe: Recipe, core_attention: str, num_e
             if group not in recipe.train_groups:
                 continue
             for s in subs:
-                if group == "attention":
+                if group == "attention" and mla:  # the down projections are group "latent": never quantized
+                    s.linear_q_up_proj = s.linear_kv_up_proj = column
+                    s.linear_proj = row
+                elif group == "attention":
                     s.linear_qkv, s.linear_proj = column, row
                 else:
                     s.linear_fc1, s.linear_fc2 = column, row

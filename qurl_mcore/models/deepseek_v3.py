@@ -12,6 +12,12 @@ checkpoints), which Megatron's MLA reads the same way. Megatron's names: linear_
 linear_q_up_proj, linear_kv_down_proj, kv_layernorm, linear_kv_up_proj, linear_proj. An engine caches per token
 and layer only c and kr (`Shape.kv_bytes_per_token`).
 
+Which projections a scope quantizes: q_b_proj, kv_b_proj and o_proj are `attention` (scope "all"); the down
+projections q_a_proj and kv_a_proj_with_mqa (1.5% of DeepSeek-V3's weights) are `latent`, full precision on both
+sides under every scope: Megatron-Core 0.16.1's MLA accepts only its stock linear classes for them. Under scope
+"experts" the first layers' dense MLPs are quantized with the routed experts (`mlp`, as a dense model's MLP is),
+the shared experts are not (they run for every token: `qurl_mcore.precision`).
+
 The router (noaux_tc): scores sigmoid(w·x); the choice adds the expert bias `e_score_correction_bias` (Megatron's
 `router.expert_bias`, a buffer the converter carries like a parameter) and keeps the `topk_group` of `n_group`
 expert groups with the largest sum of their top-2 biased scores; the weights are the unbiased scores of the
@@ -39,14 +45,14 @@ _A, _HA = _L + "self_attention.", _H + "self_attn."
 MLA = (
     Slot(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "replicated", "norm",
          lambda s: ((s.hidden,),), uaq=("attn_norm",)),
-    Slot(_A + "linear_q_down_proj.weight", (_HA + "q_a_proj.weight",), "rows", "attention",
-         lambda s: ((s.q_lora_rank, s.hidden),), sglang=_HA + "fused_qkv_a_proj_with_mqa"),
+    Slot(_A + "linear_q_down_proj.weight", (_HA + "q_a_proj.weight",), "rows", "latent",
+         lambda s: ((s.q_lora_rank, s.hidden),)),
     Slot(_A + "q_layernorm.weight", (_HA + "q_a_layernorm.weight",), "replicated", "norm",
          lambda s: ((s.q_lora_rank,),)),
     Slot(_A + "linear_q_up_proj.weight", (_HA + "q_b_proj.weight",), "rows", "attention",
          lambda s: ((s.heads * s.head_dim, s.q_lora_rank),), sglang=_HA + "q_b_proj"),
-    Slot(_A + "linear_kv_down_proj.weight", (_HA + "kv_a_proj_with_mqa.weight",), "rows", "attention",
-         lambda s: ((s.kv_lora_rank + s.qk_rope_head_dim, s.hidden),), sglang=_HA + "fused_qkv_a_proj_with_mqa"),
+    Slot(_A + "linear_kv_down_proj.weight", (_HA + "kv_a_proj_with_mqa.weight",), "rows", "latent",
+         lambda s: ((s.kv_lora_rank + s.qk_rope_head_dim, s.hidden),)),
     Slot(_A + "kv_layernorm.weight", (_HA + "kv_a_layernorm.weight",), "replicated", "norm",
          lambda s: ((s.kv_lora_rank,),)),
     Slot(_A + "linear_kv_up_proj.weight", (_HA + "kv_b_proj.weight",), "rows", "attention",
