@@ -125,3 +125,36 @@ def test_agreement_counts_the_masked_tokens_per_layer(moe):
         token_logprobs(moe, ids)
     sums = taps.agreement(rollout, mask, num_layers=2)
     assert sums.tolist() == [[8.0, 7.0, 7.5], [8.0, 8.0, 8.0]]
+
+
+def test_a_biased_sigmoid_router_replays_with_its_unbiased_scores(megatron_ws1):
+    """DeepSeek-V3's router (tiny-deepseek_v3: 8 experts in 4 groups, top-4 of the best 2 groups, a dense first
+    layer) under R3: only the MoE layer has a tap, and a replayed token's experts get the trainer's unbiased
+    sigmoid scores, renormalised over the replayed experts and multiplied by routed_scaling_factor (2.5) (hand
+    formula), whatever the expert bias and the group limit would have chosen."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    path = tiny_checkpoint("deepseek_v3")
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    router = next(m for m in model.modules() if isinstance(m, TopKRouter))
+    with torch.no_grad():
+        router.expert_bias.copy_(torch.linspace(-0.5, 0.5, 8))
+    taps = RoutingTaps(model)
+    assert sorted(taps.taps) == [2]  # layer 1 is dense (first_k_dense_replace 1)
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 1, router.weight.shape[1])
+    target = torch.tensor([[0, 1, 6, 7], [2, 3, 4, 5], [0, 2, 4, 6]])  # the last two cross every group pair
+    taps.taps[router.layer_number].target = target
+    try:
+        with torch.no_grad():
+            probs, routing_map = router(hidden)
+            logits = torch.nn.functional.linear(hidden.view(3, -1), router.weight)
+    finally:
+        taps.replay(None)
+    for t in range(3):
+        scores = torch.sigmoid(logits[t])[target[t]]
+        expected = torch.zeros(8)
+        expected[target[t]] = scores / scores.sum() * 2.5
+        assert torch.allclose(probs[t], expected, atol=1e-6), (t, probs[t], expected)
+        assert routing_map[t].nonzero().flatten().tolist() == sorted(target[t].tolist())
