@@ -8,7 +8,10 @@ heads, d head dim, V vocabulary, E experts, k experts per token.
 Parameters, counted exactly from the shape (`hf_tensors`, in the order the weight push streams them):
 embedding V·h, lm_head V·h (untied), per layer q h·a·d, k and v h·g·d each (+ a·d, g·d, g·d biases for Qwen2),
 o a·d·h, q/k norms d each (Qwen3), two norms h, a dense SwiGLU MLP 3·h·i, or a router E·h and E experts of
-3·h·i_m (+ a shared expert 3·h·i_s), and the final norm h."""
+3·h·i_m (+ a shared expert 3·h·i_s; + E for DeepSeek-V3's router expert bias, a buffer the checkpoint holds), and
+the final norm h. Under MLA (DeepSeek-V3) the attention is q_a h·r_q, its norm r_q, q_b r_q·a·(d_n+d_r), kv_a
+h·(r_kv+d_r), its norm r_kv, kv_b r_kv·a·(d_n+d_v), o a·d_v·h; MoE models with `first_k_dense_replace` have a dense
+MLP in those first layers and MoE in the others."""
 from __future__ import annotations
 
 import functools
