@@ -77,7 +77,8 @@ def test_large_moe_cards_count_the_published_parameters_within_one_percent(name)
 
 def test_mla_kv_cache_is_the_latent_and_the_rope_key():
     """DeepSeek-V3 caches 512 latent + 64 RoPE-key values per token and layer, over 61 layers, in BF16, on every
-    TP rank (the latent is shared by all heads): 61·576·2 bytes; grouped-query GLM-4.5 2·L·g·d·2, split over TP."""
+    TP rank (the latent is shared by all heads): 61·576·2 bytes; grouped-query GLM-4.5 2·L·g·d·2, split over
+    TP."""
     assert shape(card("DeepSeek-V3")).kv_bytes_per_token(2, tp=8) == 61 * 576 * 2
     assert shape(card("GLM-4.5")).kv_bytes_per_token(2, tp=8) == 2 * 92 * 1 * 128 * 2
 

@@ -186,7 +186,8 @@ def _mla(c: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError("MLA without q_lora_rank (DeepSeek-V2-Lite's q_proj) is not in the table")
     return dict(multi_latent_attention=True, q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"],
                 qk_head_dim=c["qk_nope_head_dim"], qk_pos_emb_head_dim=c["qk_rope_head_dim"],
-                v_head_dim=c["v_head_dim"], kv_channels=c["v_head_dim"], rope_type="rope", rotary_base=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))), qk_layernorm=True,
+                v_head_dim=c["v_head_dim"], kv_channels=c["v_head_dim"], rope_type="rope",
+                rotary_base=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))), qk_layernorm=True,
                 num_query_groups=c["num_attention_heads"])
 
 

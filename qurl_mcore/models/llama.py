@@ -37,7 +37,8 @@ ATTENTION = (
 )
 MLP = (
     Slot(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up", "mlp",
-         lambda s: ((s.intermediate, s.hidden),) * 2, sglang=_H + "mlp.gate_up_proj", uaq=("gate", "up"), layers="dense"),
+         lambda s: ((s.intermediate, s.hidden),) * 2, sglang=_H + "mlp.gate_up_proj", uaq=("gate", "up"),
+         layers="dense"),
     Slot(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "columns", "mlp",
          lambda s: ((s.hidden, s.intermediate),), sglang=_H + "mlp.down_proj", uaq=("down",), layers="dense"),
 )

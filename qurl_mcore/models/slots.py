@@ -192,8 +192,8 @@ def pattern(template: str) -> re.Pattern:
 class Architecture:
     """A model type's slots (in export order: embedding, per-layer slots, final norm, output layer) and the
     features of its configs. `always` are features every config of the type has; the others are read from the
-    config: `tied`/`untied` (tie_word_embeddings), `qkv_bias` (attention_bias), `qk_norm` (use_qk_norm), `shared_experts`
-    (shared_expert_intermediate_size). `implied` are config fields this type's config.json leaves out and its
+    config: `tied`/`untied` (tie_word_embeddings), `qkv_bias` (attention_bias), `qk_norm` (use_qk_norm),
+    `shared_experts` (shared_expert_intermediate_size). `implied` are config fields this type's config.json leaves out and its
     model code takes as given (Mixtral always renormalises the top-k: norm_topk_prob True); `aliases` name the
     field that holds another's value in this type's configs (Mixtral's experts are `intermediate_size` wide:
     moe_intermediate_size -> intermediate_size; Qwen2-MoE's q/k/v biases are `qkv_bias`); `computed` derive a field
