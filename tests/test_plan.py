@@ -36,11 +36,12 @@ def _hf_numel(path) -> int:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    return sum(p.numel() for p in model.parameters())  # a tied embedding is one Parameter
+    saved = model.state_dict().keys()  # and the buffers a checkpoint holds: DeepSeek-V3's router expert bias
+    return sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers() if n in saved)
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3_moe", "tiny-mixtral",
-                                   "tiny-qwen2_moe", "smollm2"])
+                                   "tiny-qwen2_moe", "tiny-deepseek_v3", "tiny-glm4_moe", "smollm2"])
 def test_parameter_count_equals_the_hf_model(model):
     hf, source = model_config(model)
     s = shape(hf)
@@ -64,11 +65,28 @@ def test_cards_count_the_published_parameters(name):
     assert count / 1e9 == pytest.approx(PUBLISHED_B[name], rel=0.002)
 
 
+#: published totals rounded to 1B (GLM's announcements), DeepSeek-V3's main model without its MTP module
+PUBLISHED_ROUNDED_B = {"DeepSeek-V3": 671.0, "GLM-4.5": 355.0, "GLM-4.5-Air": 106.0}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ROUNDED_B))
+def test_large_moe_cards_count_the_published_parameters_within_one_percent(name):
+    count = parameter_count(shape(card(name)))
+    assert count / 1e9 == pytest.approx(PUBLISHED_ROUNDED_B[name], rel=0.01)
+
+
+def test_mla_kv_cache_is_the_latent_and_the_rope_key():
+    """DeepSeek-V3 caches 512 latent + 64 RoPE-key values per token and layer, over 61 layers, in BF16, on every
+    TP rank (the latent is shared by all heads): 61·576·2 bytes; grouped-query GLM-4.5 2·L·g·d·2, split over
+    TP."""
+    assert shape(card("DeepSeek-V3")).kv_bytes_per_token(2, tp=8) == 61 * 576 * 2
+    assert shape(card("GLM-4.5")).kv_bytes_per_token(2, tp=8) == 2 * 92 * 1 * 128 * 2
+
+
 def test_cards_by_path_and_instruct_suffix():
     assert card("/models/Qwen2.5-32B-Instruct") == CARDS["Qwen2.5-32B"]
     with pytest.raises(KeyError, match="no architecture card for 'Mystery-9B'"):
         card("Mystery-9B")
-    assert card("DeepSeek-V3-shape")["shape_only"]
 
 
 # ---- the trainer and the push, measured on a real SmolLM2 trainer (fp32 on CPU) ----------------------------

@@ -203,7 +203,7 @@ def load_hf_weights(model, hf_dir: str | Path) -> None:
     where = _placement(model)
     rules = [(r, pattern(r.megatron)) for r in slots(hf)]
     used: set[str] = set()
-    for name, param in model.named_parameters():
+    for name, param in _weights(model, rules):
         rule, names = _sources(rules, name, where)
         group = where.etp_group if rule.per_expert else where.tp_group
         missing = [n for n in names if n not in ckpt.where]
@@ -222,6 +222,12 @@ def load_hf_weights(model, hf_dir: str | Path) -> None:
         raise KeyError(f"HF tensors not loaded: {sorted(unused)[:8]}")
 
 
+def _weights(model, rules: list[tuple[Slot, re.Pattern]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters, and the buffers the table has a slot for (DeepSeek-V3's router expert bias)."""
+    yield from model.named_parameters()
+    yield from ((n, b) for n, b in model.named_buffers() if any(p.match(n) for _, p in rules))
+
+
 # ---- Megatron -> HF --------------------------------------------------------------------------------
 
 def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
@@ -235,7 +241,7 @@ def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
 def _iter_stage_tensors(model, hf, where: _Placement) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every rule instance of this pipeline stage (its layers; the embedding on
     the first stage, the final norm and output layer on the last); collective over the stage's TP/EP ranks."""
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     for rule in slots(hf):
         if not rule.exported:
             continue

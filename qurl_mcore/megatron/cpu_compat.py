@@ -54,6 +54,17 @@ def _te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _mla_without_te() -> None:
+    """multi_latent_attention.HAVE_TE = False where Transformer Engine is absent. megatron-core 0.16.x imports its
+    TE extension even then (its TE names are placeholders, not classes), and MLA's constructor then runs
+    isinstance(linear_proj, TELinear), a TypeError on any device."""
+    # the module a fix patches, imported only when the fix applies
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    if not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
+
+
 class _NoopEvent:
     def synchronize(self) -> None: ...
 
@@ -191,6 +202,7 @@ FIXES = (
     ("current_device", _current_device),
     ("rng_tracker", _rng_tracker),
     ("te_general_gemm", _te_general_gemm),
+    ("mla_without_te", _mla_without_te),
     ("streams", _streams),
     ("split_sizes_as_numpy", _split_sizes_as_numpy),
     ("causal_masks", _causal_masks),
@@ -198,7 +210,7 @@ FIXES = (
     ("clip_grads", _clip_grads),
 )
 #: the fixes that are megatron-core bugs on any device, applied on GPUs too
-GPU_FIXES = ("te_general_gemm",)
+GPU_FIXES = ("te_general_gemm", "mla_without_te")
 
 
 def apply_cpu_compat() -> tuple[str, ...]:

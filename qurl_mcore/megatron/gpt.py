@@ -9,6 +9,14 @@ config as its architecture table completes it (`Architecture.config`, `Architect
              formula; not renormalised -> softmax over all experts, then top-k (moe_router_pre_softmax=True)
   shared experts (shared_expert_intermediate_size) -> moe_shared_expert_intermediate_size, and Qwen2-MoE's
              sigmoid gate on their output -> moe_shared_expert_gate
+  sigmoid router (deepseek_v3): sigmoid scores, the expert bias (noaux_tc), group-limited top-k, renormalised
+             and scaled -> moe_router_score_function "sigmoid", moe_router_enable_expert_bias (a fixed bias:
+             moe_router_bias_update_rate 0, the checkpoint's, as the engine routes), moe_router_num_groups,
+             moe_router_group_topk, moe_router_topk_scaling_factor; the first first_k_dense_replace layers
+             dense -> moe_layer_freq [0]*k + [1]*(L-k)
+  multi-head latent attention (mla)      -> MLATransformerConfig: q_lora_rank, kv_lora_rank, qk_head_dim (the
+             nope part), qk_pos_emb_head_dim, v_head_dim, rope_type "rope"
+  RoPE on part of each head (glm4_moe: partial_rotary_factor) -> rotary_percent
   tied word embeddings (SmolLM2)         -> share_embeddings_and_output_weights
   Llama 3's scaled RoPE (rope_type llama3) -> rope_scaling, rope_scaling_factor (`rope_scaling`)
 Parallel sizes are read from Megatron's initialised groups; sequence parallelism defaults to on when TP > 1
@@ -23,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from qurl_mcore.models.registry import architecture
 from qurl_mcore.models.slots import Shape
@@ -83,7 +91,8 @@ def gpt_config(hf_config, **overrides: Any):
     arch = architecture(hf)
     c = arch.config(hf.to_dict())
     have = arch.features(c)
-    if arch.moe and (c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1):
+    if arch.moe and (c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1
+                     or c.get("moe_layer_freq", 1) != 1):
         raise NotImplementedError(f"{arch.model_type} with dense layers (mlp_only_layers, decoder_sparse_step > 1)")
     if c.get("sliding_window") and c.get("use_sliding_window", True):  # Megatron would attend to everything
         raise NotImplementedError(f"sliding-window attention (sliding_window {c['sliding_window']}) is not "
@@ -135,8 +144,51 @@ def gpt_config(hf_config, **overrides: Any):
         if "shared_experts" in have:  # output + sigmoid(w·x)·shared(x) with the gate, output + shared(x) without
             kw.update(moe_shared_expert_intermediate_size=shape.shared_intermediate,
                       moe_shared_expert_gate="shared_expert_gate" in have)
+    if "sigmoid_router" in have:
+        kw.update(_sigmoid_router(c))
+    if "mla" in have:
+        kw.update(_mla(c))
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    return (MLATransformerConfig if "mla" in have else TransformerConfig)(**kw)
+
+
+def _sigmoid_router(c: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's router settings for DeepSeek-V3's noaux_tc routing (module docstring). Megatron scores an
+    expert group by the sum of its top topk/topk_group scores, HF by its top 2: configs where these differ are
+    refused, as is a sigmoid router without renormalisation (Megatron always renormalises a sigmoid top-k)."""
+    groups, group_topk, topk = c.get("n_group") or 1, c.get("topk_group") or 1, c["num_experts_per_tok"]
+    if groups > 1 and topk // group_topk != 2:
+        raise NotImplementedError(f"num_experts_per_tok {topk} with topk_group {group_topk}: Megatron scores a group "
+                                  f"by its top {topk // group_topk} experts, HF by its top 2; use topk = 2·topk_group")
+    if not c.get("norm_topk_prob", True):
+        raise NotImplementedError("a sigmoid router with norm_topk_prob false: Megatron renormalises the top-k")
+    if c.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise NotImplementedError(f"topk_method {c['topk_method']!r}; Megatron builds DeepSeek-V3's 'noaux_tc'")
+    dense = c.get("first_k_dense_replace") or 0
+    return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=0.0, moe_router_num_groups=groups if groups > 1 else None,
+                moe_router_group_topk=group_topk if groups > 1 else None,
+                moe_router_topk_scaling_factor=float(c.get("routed_scaling_factor") or 1.0),
+                moe_layer_freq=[0] * dense + [1] * (c["num_hidden_layers"] - dense))
+
+
+def _mla(c: dict[str, Any]) -> dict[str, Any]:
+    """MLATransformerConfig's fields for a DeepSeek-V3 config (plain RoPE on interleaved pairs, as Megatron's MLA
+    reads them; YaRN-scaled RoPE and a model without q's low rank are refused)."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", "default")
+    if kind != "default":
+        raise NotImplementedError(f"MLA with RoPE type {kind!r}: only 'default' is checked against transformers; "
+                                  "use a checkpoint whose rope_parameters has rope_type 'default'")
+    if not c.get("rope_interleave", True):
+        raise NotImplementedError("MLA with rope_interleave false: Megatron's MLA reads interleaved RoPE pairs")
+    if not c.get("q_lora_rank"):
+        raise NotImplementedError("MLA without q_lora_rank (DeepSeek-V2-Lite's q_proj) is not in the table")
+    return dict(multi_latent_attention=True, q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"],
+                qk_head_dim=c["qk_nope_head_dim"], qk_pos_emb_head_dim=c["qk_rope_head_dim"],
+                v_head_dim=c["v_head_dim"], kv_channels=c["v_head_dim"], rope_type="rope",
+                rotary_base=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))), qk_layernorm=True,
+                num_query_groups=c["num_attention_heads"])
 
 
 #: train.recompute -> Megatron's activation recomputation settings
@@ -175,6 +227,8 @@ def build_gpt(
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
         position_embedding_type="rope",
         rotary_base=rope_theta(hf),
+        rotary_percent=float(_rope_parameters(hf).get("partial_rotary_factor",
+                                                      getattr(hf, "partial_rotary_factor", None) or 1.0)),
         **rope_scaling(hf),
     )
     if torch.cuda.is_available():  # torch-built norms and the router come on the CPU in fp32: every parameter on

@@ -43,6 +43,9 @@ def apply_uaq(model: torch.nn.Module, s: float = 1.5) -> list[str]:
     config = model.config
     if not config.gated_linear_unit or config.add_bias_linear:
         raise NotImplementedError("UAQ here needs a gated MLP (SwiGLU) and add_bias_linear=False")
+    if config.multi_latent_attention:  # why: qurl_mcore/models/deepseek_v3.py
+        raise NotImplementedError("UAQ is not exact on multi-head latent attention (deepseek_v3): o_proj's 1/s needs "
+                                  "v·s, which kv_b_proj cannot give without scaling k; set uaq.enabled=false")
     if s <= 0:
         raise ValueError(f"the UAQ factor must be positive, got {s}")
     changed = []

@@ -3,7 +3,8 @@ local spec (`get_gpt_layer_local_spec`) by swapping only the linears of the grou
 (`Recipe.train_groups`). Which Megatron parameter belongs to which linear group is its slot's `group` in the
 architecture table (`qurl_mcore.models`); the spec swaps, per group, the Megatron submodules below:
 
-  attention       self_attention's linear_qkv (column) and linear_proj (row)
+  attention       self_attention's linear_qkv (column) and linear_proj (row); under MLA linear_q_up_proj and
+                  linear_kv_up_proj (column) and linear_proj (row), its down projections never (`latent`)
   mlp, experts,   the MLP's linear_fc1 (column) and linear_fc2 (row): the dense MLP, every routed expert's,
   shared_experts  the shared experts'
 Routers, norms, embeddings and the output layer are never quantized (GPTModel builds the last two itself).
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     LayerNormImpl, TransformerBlockSubmodules, get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from qurl_mcore.models.registry import megatron_slot
 from qurl_mcore.recipe import Recipe, resolve, te_fp8_available
@@ -55,6 +58,22 @@ def quantized_linears(model, hf_config) -> set[str]:
 
 #: core attention name -> its module (None: keep the local spec's DotProductAttention)
 CORE_ATTENTION: dict[str, type | None] = {"local": None, "sdpa": SDPAttention}
+
+
+def _latent(core: type) -> type:
+    """`core` as MLA's core attention: Megatron 0.16.1's MLA passes k_channels and v_channels (q·k and v widths),
+    which only Transformer Engine's attention takes; the local and SDPA ones compute with any widths and size
+    their output by kv_channels, which `gpt_config` sets to v_head_dim under MLA."""
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        if v_channels is not None and v_channels != kwargs.get("config", args[0] if args else None).kv_channels:
+            raise ValueError(f"MLA core attention: v_channels {v_channels} must equal config.kv_channels")
+        core.__init__(self, *args, **kwargs)
+
+    return type(f"Latent{core.__name__}", (core,), {"__init__": __init__, "__doc__": _latent.__doc__})
+
+
+#: core attention name -> MLA's core attention module
+MLA_CORE_ATTENTION: dict[str, type] = {"local": _latent(DotProductAttention), "sdpa": _latent(SDPAttention)}
 
 
 def default_attention() -> str:
@@ -98,26 +117,52 @@ def gpt_spec(config: TransformerConfig, recipe: Recipe | None = None,
     default `default_attention()`."""
     recipe = as_recipe(recipe)
     _check_config(config, recipe)
-    layer = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-        qk_layernorm=config.qk_layernorm, normalization=config.normalization,
-    )
-    sub = layer.submodules
-    attention = sub.self_attention.submodules
     core_attention = core_attention or default_attention()
     if core_attention not in CORE_ATTENTION:
         raise ValueError(f"core_attention {core_attention!r} is not one of {list(CORE_ATTENTION)}")
-    if CORE_ATTENTION[core_attention] is not None:
+    moe = _layer(config, recipe, core_attention, config.num_moe_experts) if config.num_moe_experts else None
+    dense = _layer(config, recipe, core_attention, None)
+    pattern = _moe_pattern(config)
+    offset = get_transformer_layer_offset(config)
+    layers = [moe if pattern[offset + i] else dense for i in range(get_num_layers_to_build(config))]
+    final_norm = SequenceParallelNorm if config.sequence_parallel else LayerNormImpl  # LayerNormImpl: what
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)  # TransformerBlock's default
+
+
+def _moe_pattern(config: TransformerConfig) -> list[int]:
+    """1 for each MoE layer of the model, 0 for each dense one (Megatron's moe_layer_freq: every layer MoE, or
+    a list, DeepSeek-V3's first dense layers)."""
+    if not config.num_moe_experts:
+        return [0] * config.num_layers
+    freq = config.moe_layer_freq
+    return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
+
+
+def _layer(config: TransformerConfig, recipe: Recipe, core_attention: str, num_experts: int | None) -> ModuleSpec:
+    """One layer's spec: Megatron's local spec (with MLA where the config has it; an MoE MLP for `num_experts`),
+    the stock torch norms swapped for sequence-parallel ones under SP, the linears of the recipe's train groups
+    swapped for quantized ones."""
+    mla = bool(config.multi_latent_attention)
+    layer = get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=mla, normalization=config.normalization,
+    )
+    sub = layer.submodules
+    attention = sub.self_attention.submodules
+    if mla:
+        attention.core_attention = MLA_CORE_ATTENTION[core_attention]
+    elif CORE_ATTENTION[core_attention] is not None:
         attention.core_attention = CORE_ATTENTION[core_attention]
-    final_norm = LayerNormImpl  # what TransformerBlock uses for its final norm when given a layer spec
     if config.sequence_parallel:
-        final_norm = sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelNorm
-        if config.qk_layernorm:
+        sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelNorm
+        if config.qk_layernorm and mla:
+            attention.q_layernorm = attention.kv_layernorm = SequenceParallelNorm
+        elif config.qk_layernorm:
             attention.q_layernorm = attention.k_layernorm = SequenceParallelNorm
     if recipe.train_groups:
         column, row = _linears(recipe)
         slots = {"attention": [attention]}
-        if config.num_moe_experts:
+        if num_experts:
             slots["experts"] = [sub.mlp.submodules.experts.submodules]
             slots["shared_experts"] = [sub.mlp.submodules.shared_experts.submodules]
         else:
@@ -126,8 +171,11 @@ def gpt_spec(config: TransformerConfig, recipe: Recipe | None = None,
             if group not in recipe.train_groups:
                 continue
             for s in subs:
-                if group == "attention":
+                if group == "attention" and mla:  # the down projections are group "latent": never quantized
+                    s.linear_q_up_proj = s.linear_kv_up_proj = column
+                    s.linear_proj = row
+                elif group == "attention":
                     s.linear_qkv, s.linear_proj = column, row
                 else:
                     s.linear_fc1, s.linear_fc2 = column, row
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=final_norm)
+    return layer

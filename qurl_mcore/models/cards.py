@@ -6,10 +6,9 @@ rope and tokenizer fields left out). `card(name)` finds one by the checkpoint di
 config's `model.path: /models/Qwen2.5-Math-7B` sizes as Qwen2.5-Math-7B wherever the path is absent; an
 "-Instruct" suffix names the same shape as its base model.
 
-"DeepSeek-V3-shape" is a shape only, sized with the Qwen3-MoE table (model_type qwen3_moe, so q/k norms too): its
-multi-head latent attention (MLA) is approximated by grouped-query attention with 128 heads of 128 and 2 key-value
-heads (512 cached values per token and layer; MLA caches 576), all 61 layers are MoE (the real model's first 3 are
-dense), and the multi-token-prediction module is left out. It counts 707B parameters, 5% more than the real 671B.
+DeepSeek-V3 and the GLM-4.5 models are counted without their multi-token-prediction layer
+(num_nextn_predict_layers 0), which RL leaves out (`qurl_mcore.models.deepseek_v3`): 671B, the published size of
+DeepSeek-V3's main model (its checkpoint holds 685B with the MTP module).
 """
 from __future__ import annotations
 
@@ -19,6 +18,10 @@ _QWEN25 = {"model_type": "qwen2", "tie_word_embeddings": False}
 _QWEN3 = {"model_type": "qwen3", "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False}
 _QWEN3_MOE = {"model_type": "qwen3_moe", "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
               "decoder_sparse_step": 1, "norm_topk_prob": True}
+_GLM45 = {"model_type": "glm4_moe", "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+          "vocab_size": 151552, "tie_word_embeddings": False, "attention_bias": True, "partial_rotary_factor": 0.5,
+          "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
+          "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 0}
 _LLAMA31 = {"model_type": "llama", "vocab_size": 128256, "tie_word_embeddings": False}
 
 #: name -> the shape fields of its config.json
@@ -57,11 +60,19 @@ CARDS: dict[str, dict[str, Any]] = {
                           "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                           "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1,
                           "norm_topk_prob": False},
-    "DeepSeek-V3-shape": {"model_type": "qwen3_moe", "shape_only": True, "hidden_size": 7168,
-                          "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
-                          "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 129280,
-                          "tie_word_embeddings": False, "num_experts": 256, "num_experts_per_tok": 8,
-                          "moe_intermediate_size": 2048, "shared_expert_intermediate_size": 2048},
+    "DeepSeek-V3": {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+                    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+                    "vocab_size": 129280, "tie_word_embeddings": False, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+                    "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "moe_intermediate_size": 2048,
+                    "n_shared_experts": 1, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5,
+                    "norm_topk_prob": True, "num_nextn_predict_layers": 0},
+    "GLM-4.5": {**_GLM45, "hidden_size": 5120, "intermediate_size": 12288, "num_hidden_layers": 92,
+                "n_routed_experts": 160, "moe_intermediate_size": 1536, "first_k_dense_replace": 3,
+                "use_qk_norm": True},
+    "GLM-4.5-Air": {**_GLM45, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+                    "n_routed_experts": 128, "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
+                    "use_qk_norm": False},
 }
 
 

@@ -37,9 +37,10 @@ ATTENTION = (
 )
 MLP = (
     Slot(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up", "mlp",
-         lambda s: ((s.intermediate, s.hidden),) * 2, sglang=_H + "mlp.gate_up_proj", uaq=("gate", "up")),
+         lambda s: ((s.intermediate, s.hidden),) * 2, sglang=_H + "mlp.gate_up_proj", uaq=("gate", "up"),
+         layers="dense"),
     Slot(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "columns", "mlp",
-         lambda s: ((s.hidden, s.intermediate),), sglang=_H + "mlp.down_proj", uaq=("down",)),
+         lambda s: ((s.hidden, s.intermediate),), sglang=_H + "mlp.down_proj", uaq=("down",), layers="dense"),
 )
 FINAL = (
     Slot("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", "norm", lambda s: ((s.hidden,),)),

@@ -15,7 +15,6 @@ from .slots import Architecture, Slot
 
 _L, _H = MEGATRON_LAYER, HF_LAYER
 _E = _L + "mlp.experts.local_experts.{expert}."
-_HS = _H + "mlp.shared_expert."
 
 
 def routed(block: str, router: str, gate: str, up: str, down: str, fused: bool = True) -> tuple[Slot, ...]:
@@ -28,27 +27,35 @@ def routed(block: str, router: str, gate: str, up: str, down: str, fused: bool =
     fc1, fc2 = (he + gate, he + up), (he + down,)
     return (
         Slot(_L + "mlp.router.weight", (hm + router + ".weight",), "replicated", "router",
-             lambda s: ((s.experts, s.hidden),), uaq=("router",)),
+             lambda s: ((s.experts, s.hidden),), uaq=("router",), layers="moe"),
         Slot(_E + "linear_fc1.weight", tuple(n + ".weight" for n in fc1), "gate_up", "experts",
              lambda s: ((s.moe_intermediate, s.hidden),) * 2, sglang=hm + "experts" if fused else fc1,
-             uaq=("gate", "up")),
+             uaq=("gate", "up"), layers="moe"),
         Slot(_E + "linear_fc2.weight", tuple(n + ".weight" for n in fc2), "columns", "experts",
-             lambda s: ((s.hidden, s.moe_intermediate),), sglang=hm + "experts" if fused else fc2, uaq=("down",)),
+             lambda s: ((s.hidden, s.moe_intermediate),), sglang=hm + "experts" if fused else fc2, uaq=("down",),
+             layers="moe"),
     )
 
 
-MOE = routed("mlp", "gate", "gate_proj", "up_proj", "down_proj") + (
-    Slot(_L + "mlp.shared_experts.linear_fc1.weight", (_HS + "gate_proj.weight", _HS + "up_proj.weight"), "gate_up",
-         "shared_experts", lambda s: ((s.shared_intermediate, s.hidden),) * 2, sglang=_HS + "gate_up_proj",
-         uaq=("gate", "up"), needs="shared_experts"),
-    Slot(_L + "mlp.shared_experts.linear_fc2.weight", (_HS + "down_proj.weight",), "columns", "shared_experts",
-         lambda s: ((s.hidden, s.shared_intermediate),), sglang=_HS + "down_proj", uaq=("down",),
-         needs="shared_experts"),
-)
+def shared(block: str) -> tuple[Slot, ...]:
+    """A layer's shared experts, one SwiGLU MLP whose HF projections are `model.layers.{layer}.<block>.<gate|up|
+    down>_proj` (SGLang packs gate and up as Megatron does), where a config has `shared_experts`."""
+    hs = _H + block + "."
+    return (
+        Slot(_L + "mlp.shared_experts.linear_fc1.weight", (hs + "gate_proj.weight", hs + "up_proj.weight"),
+             "gate_up", "shared_experts", lambda s: ((s.shared_intermediate, s.hidden),) * 2,
+             sglang=hs + "gate_up_proj", uaq=("gate", "up"), needs="shared_experts", layers="moe"),
+        Slot(_L + "mlp.shared_experts.linear_fc2.weight", (hs + "down_proj.weight",), "columns", "shared_experts",
+             lambda s: ((s.hidden, s.shared_intermediate),), sglang=hs + "down_proj", uaq=("down",),
+             needs="shared_experts", layers="moe"),
+    )
+
+
+MOE = routed("mlp", "gate", "gate_proj", "up_proj", "down_proj") + shared("mlp.shared_expert")
 
 SHARED_EXPERT_GATE = (
     Slot(_L + "mlp.shared_experts.gate_weight", (_H + "mlp.shared_expert_gate.weight",), "replicated", "router",
-         lambda s: ((1, s.hidden),), uaq=("router",), needs="shared_expert_gate"),
+         lambda s: ((1, s.hidden),), uaq=("router",), needs="shared_expert_gate", layers="moe"),
 )
 
 QWEN3_MOE = Architecture(

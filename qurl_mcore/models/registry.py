@@ -16,14 +16,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .deepseek_v3 import DEEPSEEK_V3
+from .glm4_moe import GLM4_MOE
 from .llama import LLAMA, QWEN2, QWEN3
 from .mixtral import MIXTRAL
 from .qwen3_moe import QWEN2_MOE, QWEN3_MOE
-from .slots import Architecture, Shape, Slot, config_experts, pattern
+from .slots import Architecture, Shape, Slot, config_experts, dense_layers, pattern
 
 #: HF model_type -> its table
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL,
-                                                                      QWEN2_MOE)}
+                                                                      QWEN2_MOE, DEEPSEEK_V3, GLM4_MOE)}
 
 
 def config_dict(hf_config: Any) -> dict[str, Any]:
@@ -76,11 +78,12 @@ def engine_reports_routing(hf_config: Any, quantized: bool) -> bool:
 def hf_linears(hf_config: Any) -> dict[str, str]:
     """HF module name (without `.weight`) -> linear group, for every weight of the model a scope can quantize."""
     c = config_dict(hf_config)
+    n_dense = dense_layers(architecture(c).config(c))
     out: dict[str, str] = {}
     for slot in slots(c):
         if not slot.quantizable:
             continue
-        for layer in range(c["num_hidden_layers"]) if slot.per_layer else [None]:
+        for layer in slot.layer_range(c["num_hidden_layers"], n_dense) if slot.per_layer else [None]:
             for expert in range(config_experts(c)) if slot.per_expert else [None]:
                 out.update({t.format(layer=layer, expert=expert).removesuffix(".weight"): slot.group
                             for t in slot.hf})

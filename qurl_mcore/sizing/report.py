@@ -17,8 +17,7 @@ def format_plan(p: Plan) -> str:
     w = e["weights"]
     lines = [
         (f"model     {p.model['source']}: {p.model['model_type']}, {p.model['parameters'] / 1e9:.2f}B parameters, "
-         f"{p.model['layers']} layers" + (f", {p.model['experts']} experts" if p.model["experts"] else "")
-         + (" (shape only)" if p.model["shape_only"] else "")),
+         f"{p.model['layers']} layers" + (f", {p.model['experts']} experts" if p.model["experts"] else "")),
         f"hardware  {hw['gpu']} ({hw['hbm_gib']:.1f} GiB, {hw['hbm_tb_s']} TB/s), {hw['layout']}, "
         f"{hw['nodes_needed']} node(s) of {hw['gpus_per_node']} GPUs",
         f"trainer   per GPU (TP {t['split']['tp']} PP {t['split']['pp']} EP {t['split']['ep']} DP "

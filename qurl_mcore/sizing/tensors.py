@@ -8,7 +8,10 @@ heads, d head dim, V vocabulary, E experts, k experts per token.
 Parameters, counted exactly from the shape (`hf_tensors`, in the order the weight push streams them):
 embedding V·h, lm_head V·h (untied), per layer q h·a·d, k and v h·g·d each (+ a·d, g·d, g·d biases for Qwen2),
 o a·d·h, q/k norms d each (Qwen3), two norms h, a dense SwiGLU MLP 3·h·i, or a router E·h and E experts of
-3·h·i_m (+ a shared expert 3·h·i_s), and the final norm h."""
+3·h·i_m (+ a shared expert 3·h·i_s; + E for DeepSeek-V3's router expert bias, a buffer the checkpoint holds), and
+the final norm h. Under MLA (DeepSeek-V3) the attention is q_a h·r_q, its norm r_q, q_b r_q·a·(d_n+d_r), kv_a
+h·(r_kv+d_r), its norm r_kv, kv_b r_kv·a·(d_n+d_v), o a·d_v·h; MoE models with `first_k_dense_replace` have a dense
+MLP in those first layers and MoE in the others."""
 from __future__ import annotations
 
 import functools
@@ -66,18 +69,19 @@ def model_config(path: str) -> tuple[dict[str, Any], str]:
 def _quantized(s: Shape, precision: str, scope: str, side: str) -> frozenset[str]:
     """HF weight names `precision.quantized_linears` gives for this shape (cached: MoE models have 10^4+)."""
     c = {"model_type": s.model_type, "num_hidden_layers": s.layers, "num_experts": s.experts,
-         "shared_expert_intermediate_size": s.shared_intermediate}
+         "shared_expert_intermediate_size": s.shared_intermediate, "first_k_dense_replace": s.dense_layers}
     return frozenset(n + ".weight" for n in quantized_linears(c, precision, scope, side))
 
 
 def _layer_tensors(s: Shape, slots: tuple[Slot, ...], i: int, ep: int) -> list[list[Tensor]]:
-    """Layer i's tensors, one list per per-layer slot of the architecture table (its export order); routed
-    experts in the order `megatron.export_hf_weights` yields them under EP: local expert j of each EP rank r."""
+    """Layer i's tensors, one list per per-layer slot of the architecture table (its export order; empty where
+    the slot is not in layer i: the MoE slots of a dense layer, the dense MLP of an MoE layer); routed experts in
+    the order `megatron.export_hf_weights` yields them under EP: local expert j of each EP rank r."""
     local = s.experts // ep if s.experts else 0
     order = [r * local + j for j in range(local) for r in range(ep)]
     return [[Tensor(t.format(layer=i, expert=e), shape, i, slot.group)
              for e in (order if slot.per_expert else [None]) for t, shape in zip(slot.hf, slot.shapes(s))]
-            for slot in slots if slot.per_layer]
+            if i in s.slot_layers(slot) else [] for slot in slots if slot.per_layer]
 
 
 @functools.lru_cache(maxsize=64)

@@ -203,7 +203,7 @@ def size_run(cfg: Config, hf: dict[str, Any], gpu: str, gpus_per_node: int = 8, 
     engines_per_node = min(cfg.rollout.engines, gpus_per_node // tp)
     return Plan(
         model={"source": source, "model_type": s.model_type, "parameters": parameter_count(s),
-               "layers": s.layers, "experts": s.experts, "shape_only": bool(hf.get("shape_only"))},
+               "layers": s.layers, "experts": s.experts},
         hardware={"gpu": g.name, "hbm_gib": g.hbm / GiB, "hbm_tb_s": g.hbm_tb_s, "bf16_tflops": g.tflops["bf16"],
                   "gpus_per_node": gpus_per_node, "nodes_needed": needed, "layout": cfg.layout,
                   "offload": budget["offload"]},

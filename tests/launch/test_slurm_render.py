@@ -203,7 +203,9 @@ def test_the_papers_layouts_render_on_the_nodes_they_name(tmp_path):
     not this machine's, are pointed at ones that exist here)."""
     here = ["model.path=smollm2", "data.task=addition", "rollout.max_new_tokens=64"]
     for config, kw in (("grpo_qwen3_30b_a3b_fp4_rc.yaml", dict(nodes=4, rollout_nodes=1)),
-                       ("dapo_qwen2.5_7b_math_int8.yaml", dict(nodes=2))):
+                       ("dapo_qwen2.5_7b_math_int8.yaml", dict(nodes=2)),
+                       ("grpo_glm45_air_fp4_rc.yaml", dict(nodes=6, rollout_nodes=2)),
+                       ("grpo_deepseek_v3_int8.yaml", dict(nodes=20, rollout_nodes=4))):
         job = _job(str(CONFIGS / config), overrides=here, workdir=str(tmp_path), **kw)
         try:
             render(job)

@@ -12,7 +12,7 @@ from qurl_mcore.models.tiny import tiny_checkpoint
 
 from .helpers import hf_logits, hf_model, random_ids
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"]
 
 
 def _checkpoint(name):
@@ -37,7 +37,7 @@ def test_hf_to_megatron_to_hf_round_trip_is_exact(arch, megatron_ws1):
     assert all(torch.equal(exported[k], original[k]) for k in original)
 
 
-@pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe", "qwen2", "llama", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe", "qwen2", "llama", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"])
 def test_megatron_logits_equal_hf_transformers(arch, megatron_ws1):
     path = _checkpoint(arch)
     model = build_gpt(path)
@@ -188,3 +188,27 @@ def test_a_rank_reads_only_its_slices_and_gets_its_shard(arch):
                                    shard(rule.layout, full, rank, size)), (rule.megatron, rank, size)
         checked.add(rule.layout)
     assert checked >= {"replicated", "rows", "columns", "qkv", "gate_up"}
+
+
+def test_deepseek_v3_expert_bias_and_group_routing_equal_hf_transformers(megatron_ws1, tmp_path):
+    """tiny-deepseek_v3 with a random e_score_correction_bias large enough to change which experts (and expert
+    groups) are picked: Megatron's sigmoid router with expert bias and group-limited top-k gives HF's logits."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(tiny_checkpoint("deepseek_v3"), tmp_path / "biased")
+    state = load_file(path / "model.safetensors")
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(state[name], torch.zeros(8, dtype=state[name].dtype))
+    state[name] = (torch.linspace(-0.5, 0.5, 8)[torch.randperm(8, generator=torch.Generator().manual_seed(0))]
+                   .to(state[name].dtype))
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    ids = random_ids(2, 24)
+    biased, plain = hf_logits(path, ids), hf_logits(tiny_checkpoint("deepseek_v3"), ids)
+    assert (biased - plain).abs().max() > 1e-3  # the bias moves the routing
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    assert torch.equal(model.decoder.layers[1].mlp.router.expert_bias, state[name].float())
+    ours = _megatron_logits(model, ids)
+    assert (ours - biased).abs().max().item() <= 2e-5 * biased.abs().max().item()

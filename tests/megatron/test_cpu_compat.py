@@ -9,7 +9,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fixes
 
 def test_every_fix_applies_once():
     names = apply_cpu_compat()
-    assert names == tuple(name for name, _ in FIXES) and len(names) == 8
+    assert names == tuple(name for name, _ in FIXES) and len(names) == 9
     assert apply_cpu_compat() == names  # idempotent
 
 
@@ -40,6 +40,9 @@ def test_fixes_replace_the_cuda_assumptions():
 
     assert torch.device(torch.cuda.current_device()).type == "cpu"
     assert moe_utils.te_general_gemm is None
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    assert mla.HAVE_TE is False  # no Transformer Engine on this machine
     split_sizes = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
     assert isinstance(split_sizes, np.ndarray) and split_sizes.tolist() == [3, 1]
     assert torch.equal(fused_softmax.get_default_causal_mask(3),

@@ -84,17 +84,11 @@ def test_replayed_experts_are_used_for_every_token_and_layer(moe):
     assert router_grads and all(g.abs().sum() > 0 for g in router_grads)
 
 
-def test_gate_weights_are_the_trainer_softmax_over_the_replayed_experts(moe):
-    """A router renormalising over the top-k (Qwen3-MoE, Mixtral: moe_router_pre_softmax False) weights a replayed
-    token's experts by softmax(logits[replayed]) of the trainer's own router logits (hand formula), one that does
-    not (Qwen2-MoE's default) by softmax(logits)[replayed]; zero elsewhere."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    router = next(m for m in moe.modules() if isinstance(m, TopKRouter))
-    taps = RoutingTaps(moe)
+def _route_replayed(model, router, target: torch.Tensor):
+    """(probs, routing map, logits) of `router` on 3 random tokens [s, b, h] replayed to `target` [3, k]."""
+    taps = RoutingTaps(model)
     torch.manual_seed(0)
     hidden = torch.randn(3, 1, router.weight.shape[1])  # [s, b, h]
-    target = torch.tensor([[2, 0], [1, 3], [0, 1]])
     taps.taps[router.layer_number].target = target
     try:
         with torch.no_grad():
@@ -102,6 +96,18 @@ def test_gate_weights_are_the_trainer_softmax_over_the_replayed_experts(moe):
             logits = torch.nn.functional.linear(hidden.view(3, -1), router.weight)
     finally:
         taps.replay(None)
+    return probs, routing_map, logits
+
+
+def test_gate_weights_are_the_trainer_softmax_over_the_replayed_experts(moe):
+    """A router renormalising over the top-k (Qwen3-MoE, Mixtral: moe_router_pre_softmax False) weights a replayed
+    token's experts by softmax(logits[replayed]) of the trainer's own router logits (hand formula), one that does
+    not (Qwen2-MoE's default) by softmax(logits)[replayed]; zero elsewhere."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    router = next(m for m in moe.modules() if isinstance(m, TopKRouter))
+    target = torch.tensor([[2, 0], [1, 3], [0, 1]])
+    probs, routing_map, logits = _route_replayed(moe, router, target)
     for t in range(3):
         expected = torch.zeros(4)
         pre_softmax = router.config.moe_router_pre_softmax
@@ -125,3 +131,27 @@ def test_agreement_counts_the_masked_tokens_per_layer(moe):
         token_logprobs(moe, ids)
     sums = taps.agreement(rollout, mask, num_layers=2)
     assert sums.tolist() == [[8.0, 7.0, 7.5], [8.0, 8.0, 8.0]]
+
+
+def test_a_biased_sigmoid_router_replays_with_its_unbiased_scores(megatron_ws1):
+    """DeepSeek-V3's router (tiny-deepseek_v3: 8 experts in 4 groups, top-4 of the best 2 groups, a dense first
+    layer) under R3: only the MoE layer has a tap, and a replayed token's experts get the trainer's unbiased
+    sigmoid scores, renormalised over the replayed experts and multiplied by routed_scaling_factor (2.5) (hand
+    formula), whatever the expert bias and the group limit would have chosen."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    path = tiny_checkpoint("deepseek_v3")
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    router = next(m for m in model.modules() if isinstance(m, TopKRouter))
+    with torch.no_grad():
+        router.expert_bias.copy_(torch.linspace(-0.5, 0.5, 8))
+    assert sorted(RoutingTaps(model).taps) == [2]  # layer 1 is dense (first_k_dense_replace 1)
+    target = torch.tensor([[0, 1, 6, 7], [2, 3, 4, 5], [0, 2, 4, 6]])  # the last two cross every group pair
+    probs, routing_map, logits = _route_replayed(model, router, target)
+    for t in range(3):
+        scores = torch.sigmoid(logits[t])[target[t]]
+        expected = torch.zeros(8)
+        expected[target[t]] = scores / scores.sum() * 2.5
+        assert torch.allclose(probs[t], expected, atol=1e-6), (t, probs[t], expected)
+        assert routing_map[t].nonzero().flatten().tolist() == sorted(target[t].tolist())

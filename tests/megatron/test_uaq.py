@@ -18,6 +18,14 @@ def _logits(model, ids):
         return model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
 
 
+def test_uaq_refuses_multi_head_latent_attention(megatron_ws1):
+    model = build_gpt(tiny_checkpoint("deepseek_v3"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(NotImplementedError, match="uaq.enabled=false"):
+        apply_uaq(model, 2.0)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # refused before any change
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2", "llama", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("s", [1.5, 2.0])
 def test_uaq_preserves_the_function(arch, s, megatron_ws1):

@@ -61,14 +61,23 @@ SGLANG_MODULES = {
                   "mlp.experts": "experts", "mlp.shared_expert.gate_up_proj": "shared_experts",
                   "mlp.shared_expert.down_proj": "shared_experts", "mlp.shared_expert_gate": None},
 }
+_MLA = {"self_attn.fused_qkv_a_proj_with_mqa": None, "self_attn.q_b_proj": "attention",  # q_a, kv_a: "latent"
+        "self_attn.kv_b_proj": "attention", "self_attn.o_proj": "attention"}
+_GQA = {"self_attn.qkv_proj": "attention", "self_attn.o_proj": "attention"}
+_DENSE = {"mlp.gate_up_proj": "mlp", "mlp.down_proj": "mlp"}
+_SHARED_MOE = {"mlp.gate": None, "mlp.experts": "experts", "mlp.shared_experts.gate_up_proj": "shared_experts",
+               "mlp.shared_experts.down_proj": "shared_experts"}
+#: models whose first layer is dense and second MoE (first_k_dense_replace 1): the modules of each layer
+SGLANG_LAYER_MODULES = {"deepseek_v3": ({**_MLA, **_DENSE}, {**_MLA, **_SHARED_MOE}),
+                        "glm4_moe": ({**_GQA, **_DENSE}, {**_GQA, **_SHARED_MOE})}
 
 
-@pytest.mark.parametrize("arch", SGLANG_MODULES)
+@pytest.mark.parametrize("arch", [*SGLANG_MODULES, *SGLANG_LAYER_MODULES])
 def test_the_plugin_selects_every_linear_of_the_table_by_its_sglang_module(arch):
     path = tiny_checkpoint(arch)
     selected: dict[str, str] = {}
-    for layer in range(2):
-        for module, group in SGLANG_MODULES[arch].items():
+    for layer, modules in enumerate(SGLANG_LAYER_MODULES.get(arch) or (SGLANG_MODULES[arch],) * 2):
+        for module, group in modules.items():
             found = sglang_linears(f"model.layers.{layer}.{module}", num_experts(path))
             assert (found and found[0]) == group, module
             selected.update(dict.fromkeys(found[1] if found else [], group))
