@@ -178,6 +178,8 @@ def paired(model, generations: Sequence[Generation], replay: bool = False) -> di
     if replay and not moe:
         raise ValueError("routing replay (+r3) needs an MoE; this model is dense")
     taps = RoutingTaps(model) if moe else None
+    # the engine reports every layer, the trainer its MoE layers (not a model's first dense ones): compare those
+    moe_layers = [layer - 1 for layer in sorted(taps.taps)] if moe else []
     out: dict[str, list[torch.Tensor]] = {k: [] for k in ("train_logprobs", "rollout_logprobs")}
     if moe:
         out.update(train_experts=[], rollout_experts=[])
@@ -200,7 +202,8 @@ def paired(model, generations: Sequence[Generation], replay: bool = False) -> di
         out["rollout_logprobs"].append(torch.tensor(g.output_logprobs, dtype=torch.float64))
         if moe:
             out["train_experts"].append(scored.routed_experts[:, 0, p - 1:p + n - 1].transpose(0, 1).long())
-            out["rollout_experts"].append(torch.from_numpy(g.routed_experts[p - 1:p + n - 1].copy()).long())
+            out["rollout_experts"].append(
+                torch.from_numpy(g.routed_experts[p - 1:p + n - 1].copy()).long()[:, moe_layers])
     if moe:
         taps.replay(None)
     if not out["train_logprobs"]:

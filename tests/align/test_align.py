@@ -206,3 +206,33 @@ def test_cli_rejects_an_unknown_precision(capsys):
     assert main(["align", "--precisions", "bf16,fp4_rc", "nope"]) == 2
     out = capsys.readouterr().out
     assert "qurl align: unknown precision 'nope'" in out
+
+
+def test_dense_first_layers_are_left_out_of_the_routing_comparison():
+    """tiny-glm4_moe: layer 1 is dense, so the engine's row for it (every layer is reported, here filled with
+    -1) has no trainer counterpart; the MoE layers' rows, the trainer's own routes, match exactly."""
+    import numpy as np
+    import torch
+
+    from qurl_mcore.megatron.logprobs import token_logprobs
+    from qurl_mcore.models.tiny import tiny_checkpoint
+    from qurl_mcore.rollout.results import Generation
+
+    path = tiny_checkpoint("glm4_moe")
+    hf = json.loads((path / "config.json").read_text())
+    dense = hf["first_k_dense_replace"]
+    assert dense >= 1 and hf["num_hidden_layers"] > dense
+    with align.megatron_ready():
+        model = align.training_model("bf16", str(path))
+        prompt, response = [1, 5, 9], [7, 3, 2, 8]
+        with torch.no_grad():
+            own = token_logprobs(model, torch.tensor([prompt + response]), return_routed_experts=True)
+        moe_routes = own.routed_experts[:, 0, :-1].transpose(0, 1)  # [forwarded tokens, moe layers, k]
+        rows = -np.ones((moe_routes.shape[0], hf["num_hidden_layers"], moe_routes.shape[2]), dtype=np.int32)
+        rows[:, dense:] = moe_routes.numpy()
+        gen = Generation(prompt, response, own.logprobs[0, len(prompt):].double().tolist(), None, "", None, None,
+                         routed_experts=rows)
+        pairs = align.paired(model, [gen])
+    row = align.metrics(pairs)
+    assert pairs["rollout_experts"].shape == (len(response), hf["num_hidden_layers"] - dense, moe_routes.shape[2])
+    assert row["topk_match_frac"] == 1.0 and len(row["topk_match_by_layer"]) == hf["num_hidden_layers"] - dense
