@@ -30,7 +30,9 @@ def format_plan(p: Plan) -> str:
         f"distributed optimizer (using {which})",
         ("            activations: " + ", ".join(f"{r} {_gib(v)}" for r, v in t["activations"].items())
          + f" (using {t['recompute']}; {t['microbatches_per_step']} micro-batch(es) per step)"),
-        f"            peak {_gib(t['peak'])} (with a push's export {_gib(t['peak_with_push'])})",
+        (f"            peak {_gib(t['peak'])} (with a push's export {_gib(t['peak_with_push'])})"
+         + (f"; update capture's weight copies {_gib(t['update_capture'])} at the end of a step"
+            if t["update_capture"] else "")),
         (f"engines   {e['count']} x TP {e['tp']}, {e['precision']} ({e['format'] or 'bf16'}, scope {e['scope']}); "
          f"per GPU: weights {_gib(w['gpu_weights'])}, masters {_gib(w['gpu_masters'])} on the {e['master']}, KV "
          f"cache {_gib(e['kv'])} ({e['kv_tokens']} tokens), SGLang reserve {_gib(e['reserve'])}; peak "
