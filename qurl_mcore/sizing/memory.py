@@ -14,8 +14,8 @@ replicated), embedding and lm_head /TP on the first and last stage, experts E/EP
   Adam m, v   P·8 / D                D = 1, or with the distributed optimizer the data-parallel size
                                      (DP for dense parameters, TP·DP/(EP·ETP) for experts)
   activations `activation_bytes`     one micro-batch per pipeline stage in flight (1F1B)
-  peak        states + the larger of the activations and `update_capture_bytes` (the quantized linears'
-              copies the update-capture metric holds at the end of a step, after the activations are gone)
+  peak        states + the larger of the activations (with the update-capture metric's copy of the
+              engine-quantized linears) and that metric's copies at the end of a step (`update_capture_bytes`)
 Engines, per GPU of an engine with rollout.tp_size = t: the linears `precision.quantized_linears` names in the
 precision's format (`quant.formats.FormatSpec.weight_bytes`), everything else in rollout.dtype, /t;
 full-precision masters of the quantized linears (host RAM by default; they come back to the GPU during every
@@ -157,20 +157,21 @@ def activation_bytes(s: Shape, cfg: Config, recompute: str, e: int = 2) -> list[
     return out
 
 
-def update_capture_bytes(s: Shape, cfg: Config, e: int = 2) -> list[int]:
+def update_capture_bytes(s: Shape, cfg: Config, e: int = 2) -> list[dict[str, int]]:
     """Bytes the update-capture metric (`uaq/update_capture`, on while the engines quantize and
-    `logging.update_capture` is true) adds at the end of a step on one rank of each pipeline stage: this rank's
-    shards of the linears the engines quantize, copied before the update and again after it (2·Q·e; dense
-    linears /TP, experts /(EP·ETP)), and while the codes of one tensor are compared, its fp32 copy and quotient
-    and both codes (10 bytes per element of the largest shard). The step's activations are gone by then; the
-    states stay."""
-    if not cfg.logging.update_capture:
-        return [0] * cfg.train.pp_size
+    `logging.update_capture` is true) adds on one rank of each pipeline stage: `during` the step, this rank's
+    shards of the linears the engines quantize, copied before the forward (Q·e; dense linears /TP, experts
+    /(EP·ETP)); at the `end`, after the update (the activations gone, the states kept), that copy, a second one
+    and, while the codes of one tensor are compared, its fp32 copy and quotient and both codes (2·Q·e + 10 bytes
+    per element of the largest shard)."""
     t = cfg.train
+    none = [{"during": 0, "end": 0} for _ in range(t.pp_size)]
+    if not cfg.logging.update_capture:
+        return none
     precision, scope, _ = cfg.resolved_precision()
     names = _quantized(s, precision.name, scope, "rollout")
     if not names:
-        return [0] * t.pp_size
+        return none
     etp = 1 if t.ep_size > 1 else t.tp_size
     per = s.layers // t.pp_size
     total, largest = [0] * t.pp_size, [0] * t.pp_size
@@ -181,7 +182,7 @@ def update_capture_bytes(s: Shape, cfg: Config, e: int = 2) -> list[int]:
         n = x.numel // (t.ep_size * etp) if x.kind == "experts" else math.ceil(x.numel / t.tp_size)
         total[k] += n
         largest[k] = max(largest[k], n)
-    return [2 * e * q + 10 * m for q, m in zip(total, largest)]
+    return [{"during": e * q, "end": 2 * e * q + 10 * m} for q, m in zip(total, largest)]
 
 
 def trainer_bytes(s: Shape, cfg: Config, cuda: bool = True) -> dict[str, Any]:
@@ -210,7 +211,7 @@ def trainer_bytes(s: Shape, cfg: Config, cuda: bool = True) -> dict[str, Any]:
         stage_acts = {r: v[k] for r, v in acts.items()}
         per_stage.append({"stage": k, "parameters": n, **states, "activations": stage_acts, "static": static,
                           "update_capture": capture[k],
-                          "peak": static + max(stage_acts[t.recompute], capture[k])})
+                          "peak": static + max(stage_acts[t.recompute] + capture[k]["during"], capture[k]["end"])})
     worst = max(per_stage, key=lambda x: x["peak"])
     return {**worst, "dtype": "bf16" if p == 2 else "fp32", "distributed_optimizer": distributed,
             "recompute": t.recompute, "microbatches_per_step": _microbatches(cfg)}

@@ -91,7 +91,7 @@ def _levers(s: Shape, cfg: Config, master: str, gpus_per_node: int, who: str) ->
         if not cfg.distributed_optimizer(True):
             changes.append({"train.distributed_optimizer": True})
         changes += [{"train.recompute": x} for x in RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(t.recompute) + 1:]]
-        if cfg.logging.update_capture and any(update_capture_bytes(s, cfg)):
+        if cfg.logging.update_capture and any(x["end"] for x in update_capture_bytes(s, cfg)):
             changes.append({"logging.update_capture": False})
         changes += [{"train.micro_batch_size": m}
                     for m in sorted({t.micro_batch_size >> k for k in range(1, 6)} - {0}, reverse=True)]
