@@ -23,6 +23,8 @@ What it catches, as a GPU would:
   `TorchDispatchMode` under the fake mode sees every operation's outputs, counts each CUDA storage once (views
   cost nothing) from the operation that first returns it, and holds a weak reference to it, so that a
   storage counts until torch frees it. The caching allocator's rounding and fragmentation are not modelled.
+  `scaled_dot_product_attention` on a fake CUDA device runs as the memory-efficient kernel a GPU picks for a
+  masked attention (it keeps the output and the log-sum-exp, not the probabilities).
 
 What it cannot: whether a kernel exists for the device and dtype (a CPU build has none to ask), numerics
 (there are no values: a data-dependent read follows "the data is well-formed": finiteness checks pass, a mask
