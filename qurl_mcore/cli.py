@@ -248,7 +248,20 @@ def _plan(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, OSError) as err:
         print(f"qurl plan: {' '.join(str(err).split())}")
         return 2
-    print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
+    out = result.to_dict()
+    if args.trace:
+        # lazy: the trace imports Megatron (and SGLang) in a process of its own
+        from .plantrace import format_trace, trace_plan
+
+        try:
+            out["trace"] = trace_plan(cfg, hf, args.gpu)
+        except (RuntimeError, ValueError) as err:
+            print(f"qurl plan --trace: {err}")
+            return 2
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_plan(result) + ("\n" + format_trace(out["trace"]) if args.trace else ""))
     return 0 if result.fits or args.warn_only else 3
 
 
@@ -263,6 +276,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--link", help="the weight push's link: nvlink, infiniband or pcie (default: by layout)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--warn-only", action="store_true", help="exit 0 when a GPU does not fit (default: exit 3)")
+    p.add_argument("--trace", action="store_true", help="also run a trainer rank's step at full size on fake CUDA "
+                                                        "devices and print its measured peak beside the plan's "
+                                                        "(minutes of CPU; no GPU, no weights)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.recompute=full")
     p.set_defaults(func=_plan)
 

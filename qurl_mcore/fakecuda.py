@@ -23,6 +23,8 @@ What it catches, as a GPU would:
   `TorchDispatchMode` under the fake mode sees every operation's outputs, counts each CUDA storage once (views
   cost nothing) from the operation that first returns it, and holds a weak reference to it, so that a
   storage counts until torch frees it. The caching allocator's rounding and fragmentation are not modelled.
+  `scaled_dot_product_attention` on a fake CUDA device runs as the memory-efficient kernel a GPU picks for a
+  masked attention (it keeps the output and the log-sum-exp, not the probabilities).
 
 What it cannot: whether a kernel exists for the device and dtype (a CPU build has none to ask), numerics
 (there are no values: a data-dependent read follows "the data is well-formed": finiteness checks pass, a mask
@@ -241,6 +243,8 @@ class _Functions(TorchFunctionMode):
         if any(isinstance(a, torch.UntypedStorage) and a.device.type == "cpu" for a in args):
             with unset_fake_temporarily():
                 return func(*args, **(kwargs or {}))
+        if func is _SDPA and args and args[0].device.type == "cuda":
+            return _efficient_attention(*args, **(kwargs or {}))
         if func is torch.tensor and args and isinstance(args[0], (list, tuple)):  # reads each tensor in it
             args = (tree_map_only(torch.Tensor, self.tracer._read, args[0]), *args[1:])
         out = func(*args, **(kwargs or {}))
@@ -252,6 +256,25 @@ class _Functions(TorchFunctionMode):
 
 
 _SET_DATA = torch._C.TensorBase.data.__set__
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False):
+    """`scaled_dot_product_attention` on a fake CUDA device as a GPU runs it with a mask: the fused
+    memory-efficient kernel (flash attention takes no mask), which keeps the output and the log-sum-exp for
+    its backward, not the [b, heads, s, s] probabilities. A CPU build has no CUDA kernel to choose one by, and
+    torch's fallback (the math path) would count the probabilities. A boolean mask becomes the additive one
+    in the query's dtype, as SDPA turns it for this kernel."""
+    if enable_gqa and key.shape[-3] != query.shape[-3]:  # the kernel takes as many k, v heads as q heads
+        key, value = (t.repeat_interleave(query.shape[-3] // t.shape[-3], dim=-3) for t in (key, value))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(attn_mask.logical_not(),
+                                                                                float("-inf"))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, None if attn_mask is None else attn_mask.expand(*query.shape[:-2], *attn_mask.shape[-2:]),
+        grad, dropout_p, is_causal, scale=scale)[0]
 
 
 class _Event:

@@ -14,6 +14,8 @@ replicated), embedding and lm_head /TP on the first and last stage, experts E/EP
   Adam m, v   P·8 / D                D = 1, or with the distributed optimizer the data-parallel size
                                      (DP for dense parameters, TP·DP/(EP·ETP) for experts)
   activations `activation_bytes`     one micro-batch per pipeline stage in flight (1F1B)
+  peak        states + the larger of the activations (with the update-capture metric's copy of the
+              engine-quantized linears) and that metric's copies at the end of a step (`update_capture_bytes`)
 Engines, per GPU of an engine with rollout.tp_size = t: the linears `precision.quantized_linears` names in the
 precision's format (`quant.formats.FormatSpec.weight_bytes`), everything else in rollout.dtype, /t;
 full-precision masters of the quantized linears (host RAM by default; they come back to the GPU during every
@@ -155,6 +157,34 @@ def activation_bytes(s: Shape, cfg: Config, recompute: str, e: int = 2) -> list[
     return out
 
 
+def update_capture_bytes(s: Shape, cfg: Config, e: int = 2) -> list[dict[str, int]]:
+    """Bytes the update-capture metric (`uaq/update_capture`, on while the engines quantize and
+    `logging.update_capture` is true) adds on one rank of each pipeline stage: `during` the step, this rank's
+    shards of the linears the engines quantize, copied before the forward (Q·e; dense linears /TP, experts
+    /(EP·ETP)); at the `end`, after the update (the activations gone, the states kept), that copy, a second one
+    and, while the codes of one tensor are compared, its fp32 copy and quotient and both codes (2·Q·e + 10 bytes
+    per element of the largest shard)."""
+    t = cfg.train
+    none = [{"during": 0, "end": 0} for _ in range(t.pp_size)]
+    if not cfg.logging.update_capture:
+        return none
+    precision, scope, _ = cfg.resolved_precision()
+    names = _quantized(s, precision.name, scope, "rollout")
+    if not names:
+        return none
+    etp = 1 if t.ep_size > 1 else t.tp_size
+    per = s.layers // t.pp_size
+    total, largest = [0] * t.pp_size, [0] * t.pp_size
+    for x in hf_tensors(s):
+        if x.name not in names or x.layer is None:
+            continue
+        k = x.layer // per
+        n = x.numel // (t.ep_size * etp) if x.kind == "experts" else math.ceil(x.numel / t.tp_size)
+        total[k] += n
+        largest[k] = max(largest[k], n)
+    return [{"during": e * q, "end": 2 * e * q + 10 * m} for q, m in zip(total, largest)]
+
+
 def trainer_bytes(s: Shape, cfg: Config, cuda: bool = True) -> dict[str, Any]:
     """The trainer's bytes per GPU on its fullest pipeline stage (module docstring): each state with and without
     the distributed optimizer, the activations for each recompute choice, and `peak` for the config's choices.
@@ -166,6 +196,7 @@ def trainer_bytes(s: Shape, cfg: Config, cuda: bool = True) -> dict[str, Any]:
     dense_dp, expert_dp = t.dp_size, t.tp_size * t.dp_size // (t.ep_size * etp)
     main = 4 if p == 2 else 0
     acts = {r: activation_bytes(s, cfg, r, p) for r in RECOMPUTE_ORDER}
+    capture = update_capture_bytes(s, cfg, p)
     per_stage = []
     for k, st in enumerate(_stages(s, cfg)):
         n = st.dense + st.expert
@@ -179,7 +210,8 @@ def trainer_bytes(s: Shape, cfg: Config, cuda: bool = True) -> dict[str, Any]:
         static = sum(v[which] if isinstance(v, dict) else v for v in states.values())
         stage_acts = {r: v[k] for r, v in acts.items()}
         per_stage.append({"stage": k, "parameters": n, **states, "activations": stage_acts, "static": static,
-                          "peak": static + stage_acts[t.recompute]})
+                          "update_capture": capture[k],
+                          "peak": static + max(stage_acts[t.recompute] + capture[k]["during"], capture[k]["end"])})
     worst = max(per_stage, key=lambda x: x["peak"])
     return {**worst, "dtype": "bf16" if p == 2 else "fp32", "distributed_optimizer": distributed,
             "recompute": t.recompute, "microbatches_per_step": _microbatches(cfg)}

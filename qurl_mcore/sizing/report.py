@@ -29,7 +29,9 @@ def format_plan(p: Plan) -> str:
         f"distributed optimizer (using {which})",
         ("            activations: " + ", ".join(f"{r} {_gib(v)}" for r, v in t["activations"].items())
          + f" (using {t['recompute']}; {t['microbatches_per_step']} micro-batch(es) per step)"),
-        f"            peak {_gib(t['peak'])} (with a push's export {_gib(t['peak_with_push'])})",
+        (f"            peak {_gib(t['peak'])} (with a push's export {_gib(t['peak_with_push'])})"
+         + (f"; the update-capture metric's weight copies: {_gib(t['update_capture']['during'])} during a step, "
+            f"{_gib(t['update_capture']['end'])} at its end" if t["update_capture"]["end"] else "")),
         (f"engines   {e['count']} x TP {e['tp']}, {e['precision']} ({e['format'] or 'bf16'}, scope {e['scope']}); "
          f"per GPU: weights {_gib(w['gpu_weights'])}, masters {_gib(w['gpu_masters'])} on the {e['master']}, KV "
          f"cache {_gib(e['kv'])} ({e['kv_tokens']} tokens), SGLang reserve {_gib(e['reserve'])}; peak "

@@ -14,7 +14,7 @@ from ..models.registry import shape
 from ..models.slots import Shape
 from ..placement import placement_of
 from .gpus import GPU, LINK_NAMES, GiB, get_gpu, link_gb_s
-from .memory import RECOMPUTE_ORDER, _kv_beside, engine_bytes, trainer_bytes
+from .memory import RECOMPUTE_ORDER, _kv_beside, engine_bytes, trainer_bytes, update_capture_bytes
 from .speed import MEASURED_PUSH, push_bytes, push_seconds, rollout_ceiling
 from .tensors import parameter_count
 
@@ -91,6 +91,8 @@ def _levers(s: Shape, cfg: Config, master: str, gpus_per_node: int, who: str) ->
         if not cfg.distributed_optimizer(True):
             changes.append({"train.distributed_optimizer": True})
         changes += [{"train.recompute": x} for x in RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(t.recompute) + 1:]]
+        if cfg.logging.update_capture and any(x["end"] for x in update_capture_bytes(s, cfg)):
+            changes.append({"logging.update_capture": False})
         changes += [{"train.micro_batch_size": m}
                     for m in sorted({t.micro_batch_size >> k for k in range(1, 6)} - {0}, reverse=True)]
         # the same GPUs split another way (colocated: one engine per trainer rank at most)

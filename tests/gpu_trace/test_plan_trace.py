@@ -1,0 +1,48 @@
+"""`qurl plan --trace` (qurl_mcore/plantrace.py): a shipped config's trainer rank and engine GPU traced at full size
+on fake CUDA devices, their measured peaks beside the plan's; and the plan's update-capture term, which a trace of
+the 7B config found missing."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from qurl_mcore.cli import main
+from qurl_mcore.config import load_config
+from qurl_mcore.models.cards import card
+from qurl_mcore.models.registry import shape
+from qurl_mcore.sizing.memory import trainer_bytes, update_capture_bytes
+
+CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
+
+
+def test_update_capture_holds_the_engine_quantized_shards_once_during_a_step_and_twice_at_its_end():
+    """Qwen2.5-Math-7B at TP 2, int8 engines of scope all: per layer q and o 3584², k and v 3584·512 each, the
+    SwiGLU 3·3584·18944, 233,046,016 weights; 28 layers /2 = 3,262,644,224 per rank, 2 bytes each. The largest
+    shard is gate's or up's, 18944·3584/2 = 33,947,648 elements, 10 bytes each while its codes are compared."""
+    cfg = load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml")
+    s = shape(card("Qwen2.5-Math-7B"))
+    assert update_capture_bytes(s, cfg) == [{"during": 6_525_288_448, "end": 13_050_576_896 + 339_476_480}]
+    t = trainer_bytes(s, cfg)
+    assert t["peak"] == t["static"] + max(t["activations"]["full"] + 6_525_288_448, 13_390_053_376)
+    cfg.logging.update_capture = False
+    assert update_capture_bytes(s, cfg) == [{"during": 0, "end": 0}]
+    bf16 = load_config(CONFIGS / "dapo_qwen2.5_7b_math_int8.yaml", ["precision=bf16", "uaq.enabled=false"])
+    assert update_capture_bytes(s, bf16) == [{"during": 0, "end": 0}]  # engines in bf16: nothing to capture
+
+
+@pytest.mark.slow
+def test_plan_trace_of_the_shipped_0_5b_config_agrees_with_the_plan(capsys):
+    """Qwen2.5-0.5B (gsm8k PPO, TP 1 x DP 8, 8 x 1024 tokens a micro-batch): 24 layers, traced at 1 and 2 and
+    extrapolated; its engine's int8 weights from the plugin's quantizer on one layer."""
+    assert main(["plan", "--config", str(CONFIGS / "gsm8k_ppo_qwen2.5_0.5b_int8.yaml"), "--trace", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    trainer, engine = out["trace"]["trainer"], out["trace"]["engine"]
+    assert trainer["planned_peak_bytes"] == out["trainer"]["peak"]
+    assert engine["planned_peak_bytes"] == out["engines"]["weights"]["gpu_weights"]
+    assert trainer["step_traced"] and trainer["layers_traced_per_stage"] == [1, 2]
+    assert trainer["phases"]["build"] < trainer["phases"]["forward_backward"] == trainer["measured_peak_bytes"]
+    for side in (trainer, engine):
+        assert abs(side["measured_peak_bytes"] - side["planned_peak_bytes"]) <= 0.15 * side["planned_peak_bytes"]
+        assert side["agree"]
