@@ -73,8 +73,8 @@ def _train(args: argparse.Namespace) -> int:
         from .preflight import preflight  # lazy: loads torch, not at `qurl --help`
 
         try:
-            checked = preflight(cfg, local=not (args.address or os.environ.get("RAY_ADDRESS")) and not args.gpu,
-                                gpu=args.gpu)
+            gpu = args.gpu or cfg.gpu or None
+            checked = preflight(cfg, local=not (args.address or os.environ.get("RAY_ADDRESS")) and not gpu, gpu=gpu)
         except ValueError as err:  # an unknown --gpu
             print(f"qurl train --check: {err}", file=sys.stderr)
             return EXIT_BAD_CONFIG
@@ -175,7 +175,7 @@ def _add_launch(sub) -> None:
     p.add_argument("--container-image", help="run every step in this image (pyxis/enroot)")
     p.add_argument("--container-mounts", help="pyxis mounts (default: the work directory at the same path)")
     p.add_argument("--gpu", help="the nodes' GPU, h100-80g, h200-141g or b200-180g: plan the memory as qurl plan "
-                                 "does (default: not planned)")
+                                 "does (default: the config's gpu; none named: not planned)")
     p.add_argument("--layout", choices=["colocated", "disaggregated"], help="default: the config's")
     p.add_argument("--rollout-nodes", type=int,
                    help="disaggregated: nodes that only roll out (default: as many as the config's engines fill)")
@@ -243,7 +243,8 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         hf, source = model_config(cfg.model.path)
-        result = size_run(cfg, hf, args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
+        gpu = args.gpu or cfg.gpu or "h100-80g"
+        result = size_run(cfg, hf, gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
                           master=args.master, link=args.link, source=source)
     except (ConfigError, ValueError, OSError) as err:
         print(f"qurl plan: {' '.join(str(err).split())}")
@@ -254,7 +255,7 @@ def _plan(args: argparse.Namespace) -> int:
         from .plantrace import format_trace, trace_plan
 
         try:
-            out["trace"] = trace_plan(cfg, hf, args.gpu)
+            out["trace"] = trace_plan(cfg, hf, gpu)
         except (RuntimeError, ValueError) as err:
             print(f"qurl plan --trace: {err}")
             return 2
@@ -268,7 +269,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="bytes per GPU, weight push and decode ceiling of a config, and whether it fits")
     p.add_argument("--config", required=True, help="the run's YAML file (launch/configs/*.yaml)")
-    p.add_argument("--gpu", default="h100-80g", help="h100-80g (default), h200-141g or b200-180g")
+    p.add_argument("--gpu", help="h100-80g, h200-141g or b200-180g (default: the config's gpu, else h100-80g)")
     p.add_argument("--gpus-per-node", type=_positive, default=8, help="GPUs per node (default 8)")
     p.add_argument("--nodes", type=_positive, help="nodes you have; a layout that needs more is a problem")
     p.add_argument("--master", default="host", help="where engines keep full-precision masters: host (the "

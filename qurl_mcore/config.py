@@ -151,6 +151,9 @@ class Config:
     steps: int = 30
     seed: int = 0
     layout: Literal["colocated", "disaggregated"] = "colocated"
+    # the GPU the run is planned for (a key of qurl_mcore.sizing.GPUS, e.g. h200-141g): `qurl plan`'s, `--check`'s
+    # and `qurl launch slurm`'s default for --gpu; "" names none
+    gpu: str = ""
 
     def train_dtype(self, cuda: bool | None = None):
         """The trainer's parameter dtype: `train.dtype`, where auto is bf16 with CUDA and fp32 without."""

@@ -28,7 +28,7 @@ from .placement import placement_of, unplaceable
 from .models.registry import engine_reports_routing, features, hf_linears, num_experts
 from .precision import METHODS, PRECISIONS, get_precision, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
-from .sizing import check_fits, local_gpu, model_config
+from .sizing import GPUS, check_fits, local_gpu, model_config
 from .tasks import addition_examples, chat_ids, load_reward, scan_examples
 
 
@@ -80,6 +80,8 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
     if t.entropy_coef and t.tp_size > 1:
         out.problems.append("train.entropy_coef: the entropy bonus needs the full vocabulary on a rank; "
                             "use train.tp_size=1")
+    if cfg.gpu and cfg.gpu not in GPUS:
+        out.problems.append(f"gpu: unknown GPU {cfg.gpu!r}; use one of {list(GPUS)}, or leave it empty")
     if cfg.uaq.enabled and not get_precision(cfg.precision).uaq:
         uaq = [p.name for p in PRECISIONS.values() if p.uaq]
         out.problems.append(f"uaq.enabled: UAQ rescales a full-precision trainer for an 8-bit rollout "

@@ -181,7 +181,7 @@ class SlurmJob:
         except ConfigError as err:
             return [f"qurl train would refuse: {problem}" for problem in err.problems]
         try:
-            checked = preflight(cfg, use_gpu=self.gpus_per_node > 0, gpu=self.gpu)
+            checked = preflight(cfg, use_gpu=self.gpus_per_node > 0, gpu=self.gpu or cfg.gpu or None)
         except ValueError as err:  # an unknown --gpu
             return [str(err)]
         problems = [f"qurl train --check would refuse: {p}" for p in checked.problems]

@@ -363,6 +363,26 @@ def test_cli_json(capsys):
     assert out["push"]["bytes"] == 2 * 30_532_122_624
 
 
+def test_the_gpu_defaults_to_the_one_the_config_names(capsys, tmp_path):
+    """A config naming its GPU is planned on it (the shipped DeepSeek-V3 config: H200s); --gpu overrides it;
+    a config naming none is planned on H100s; `--check` refuses a name the planner does not know."""
+    from qurl_mcore.cli import main
+
+    config = str(CONFIGS / "grpo_deepseek_v3_int8.yaml")
+    gpus = []
+    for extra in ([], ["--gpu", "b200-180g"]):
+        assert main(["plan", "--config", config, "--json", *extra]) == 0
+        gpus.append(json.loads(capsys.readouterr().out)["hardware"]["gpu"])
+    assert gpus == ["h200-141g", "b200-180g"]
+    main(["plan", "--config", str(CONFIGS / "grpo_32b_int8.yaml"), "--json", "gpu="])
+    assert json.loads(capsys.readouterr().out)["hardware"]["gpu"] == "h100-80g"
+    from qurl_mcore.preflight import preflight
+
+    cfg = load_config(None, ["model.path=tiny-llama", "gpu=h300", f"logging.dir={tmp_path}/l",
+                             f"checkpoint.dir={tmp_path}/c"])
+    assert "gpu: unknown GPU 'h300'; use one of ['h100-80g'" in preflight(cfg, use_gpu=False).report()
+
+
 def test_push_is_wire_time_beside_a_measured_push():
     """The push line says its time is the wire's and shows miles' measured Qwen3-30B-A3B sync (2.67 s over NCCL
     on H100): as this model's figure for Qwen3-30B-A3B (card or config.json alike), as a note for the others."""
