@@ -112,6 +112,9 @@ class CheckpointConfig:
     every: int = 10
     keep: int = 2
     export_hf: bool = True  # at the end of the run, the trained model as an HF checkpoint in dir/hf
+    # the trainer's state: torch_dist (Megatron's distributed checkpoint: resumable on another TP/PP/EP/DP) or
+    # torch (one file per rank: resumable on the same layout only); either loads, whatever this says
+    format: Literal["torch_dist", "torch"] = "torch_dist"
     # resume a checkpoint whose model, precision or parallel layout differs from the run's (driver.RESUME_FIELDS)
     allow_mismatch: bool = False
 

@@ -72,9 +72,3 @@ def load(state: dict[str, Any], directory: str | Path) -> dict[str, Any]:
     strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(directory)), _dp_group())
     return dist_checkpointing.load(state, str(directory), strategy)
 
-
-def load_stack(stack, directory: str | Path) -> None:
-    """Collective: model weights and optimizer state of `stack` from checkpoint `directory`."""
-    loaded = load(sharded_state(stack, is_loading=True), directory)
-    stack.model.load_state_dict(loaded["model"])
-    stack.optimizer.load_state_dict(loaded["optimizer"])
