@@ -63,6 +63,7 @@ class PolicyTrainer:
         if log_file:  # an actor of a run: its output (Megatron's warnings included) goes to the run's logs
             redirect_output(log_file)
         from qurl_mcore.megatron import apply_uaq, build_gpt, init_parallel, load_hf_weights
+        from qurl_mcore.megatron.dist_checkpoint import load_model
         from qurl_mcore.megatron.gpt import load_hf_config
         # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron.parallel import current_device
@@ -90,6 +91,8 @@ class PolicyTrainer:
                      calculate_per_token_loss=True)
         self.model = build_gpt(self.hf_dir, **build)
         load_hf_weights(self.model, self.hf_dir)
+        if cfg.model.load:  # a Megatron-LM / slime torch_dist checkpoint's weights
+            load_model(self.model, cfg.model.load)
         if cfg.uaq.enabled:
             # training runs in the rescaled parameterisation, so every update is s times larger relative to
             # the rollout's quantization step (QuRL §4.3); the function computed is unchanged
@@ -106,6 +109,8 @@ class PolicyTrainer:
         if t.kl_coef > 0:
             self.ref = build_gpt(self.hf_dir, **build)
             load_hf_weights(self.ref, self.hf_dir)
+            if cfg.model.load:
+                load_model(self.ref, cfg.model.load)
             self.ref.requires_grad_(False).eval()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()

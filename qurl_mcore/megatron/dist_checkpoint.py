@@ -34,6 +34,8 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 BACKEND = "torch_dist"
 #: the files a `save` writes besides the ranks' slices (rank 0 and the coordinator write them)
 SHARED_FILES = ("metadata.json", "common.pt", ".metadata")
+#: the file of a Megatron-LM `--save` directory that names its newest iteration
+MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, Any]:
@@ -72,3 +74,24 @@ def load(state: dict[str, Any], directory: str | Path) -> dict[str, Any]:
     strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(directory)), _dp_group())
     return dist_checkpointing.load(state, str(directory), strategy)
 
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """The torch_dist checkpoint that `path` names: itself (it holds metadata.json), or the newest iteration of
+    a Megatron-LM or slime `--save` directory (its latest_checkpointed_iteration.txt)."""
+    path = Path(path)
+    if (path / MEGATRON_LATEST).is_file():
+        latest = (path / MEGATRON_LATEST).read_text().strip()
+        path = path / (latest if latest == "release" else f"iter_{int(latest):07d}")
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path} is not a torch_dist checkpoint (it has no metadata.json): give a directory "
+                                f"Megatron's dist_checkpointing.save wrote (a qurl run's: step_N/trainer), or a --save "
+                                f"directory with {MEGATRON_LATEST}")
+    return path
+
+
+def load_model(model: torch.nn.Module, path: str | Path) -> None:
+    """Collective: `model`'s weights (this rank's slices) from the torch_dist checkpoint at `path`
+    (`checkpoint_dir`), one of ours or Megatron-LM's (its model is the same state under the same key,
+    "model"), on whatever layout wrote it; nothing else of the checkpoint is read (optimizer, random
+    generators, step)."""
+    model.load_state_dict(load({"model": _model_state(model)}, checkpoint_dir(path))["model"])

@@ -92,6 +92,54 @@ def test_a_damaged_slice_file_falls_back_to_the_previous_checkpoint(tmp_path):
     assert path == first and damaged == [(latest, "trainer/__0_0.distcp does not match its checksum")]
 
 
+def _megatron_lm_checkpoint(root, iteration: int = 3) -> dict[str, torch.Tensor]:
+    """What Megatron-LM (and slime) save: Megatron's own GPTModel (its local spec, its own random init) shaped
+    like tiny-llama, written by `dist_checkpointing.save` as iter_0000003 of a --save directory. Returns its
+    weights."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from qurl_mcore.megatron import destroy_parallel, init_parallel
+    from qurl_mcore.megatron.gpt import gpt_config, load_hf_config, rope_theta
+    from qurl_mcore.models import resolve_model_path
+
+    hf = load_hf_config(resolve_model_path("tiny-llama"))
+    init_parallel(seed=7)
+    try:
+        model = GPTModel(config=gpt_config(hf, use_cpu_initialization=True), transformer_layer_spec=get_gpt_layer_local_spec(),
+                         vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
+                         share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                         rotary_base=rope_theta(hf))
+        directory = root / f"iter_{iteration:07d}"
+        directory.mkdir(parents=True)
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": iteration,
+                                 "checkpoint_version": 3.0}, str(directory))
+        (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        destroy_parallel()
+
+
+def test_model_load_starts_from_a_checkpoint_megatron_saved(tmp_path):
+    saved = _megatron_lm_checkpoint(tmp_path)
+    trainer = _trainer("tiny-llama", [f"model.load={tmp_path}"])
+    try:
+        got = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    finally:
+        trainer.close()
+    assert got.keys() == saved.keys()
+    for name, w in saved.items():
+        assert torch.equal(got[name], w), name
+
+
+def test_model_load_names_what_it_expects():
+    from qurl_mcore.megatron.dist_checkpoint import checkpoint_dir
+
+    with pytest.raises(FileNotFoundError, match="is not a torch_dist checkpoint .*latest_checkpointed_iteration"):
+        checkpoint_dir("/nonexistent")
+
+
 # -- another layout: saved at TP=2 after one step, the second step resumed at TP=1, PP=2 or EP=2 -----------------
 def _save_then_step(rank: int, world_size: int, model: str, overrides: list[str], root: str) -> dict:
     trainer = _trainer(model, overrides, rank, world_size)
