@@ -203,6 +203,23 @@ def read_file(path: str | Path, name: str) -> dict[str, Any]:
     return torch.load(Path(path) / name, map_location="cpu", weights_only=False)
 
 
+def model_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model's tensors of published checkpoint `path`, read in this process (no process group): every
+    global tensor whole, by Megatron's name (torch_dist), or trainer rank 0's by state-dict name (torch)."""
+    if format_of(read_meta(path)) == "torch":
+        state = read_file(path, rank_file(0))["model"]
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(Path(path) / TRAINER_DIR))
+    found = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in found.items()
+             if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
 def tensor_mismatch(saved: dict[str, Any], current: dict[str, Any], shown: int = 2) -> str | None:
     """How a checkpoint's state dict `saved` differs from a model's `current` one, in one line: the tensors
     only the model has, those only the checkpoint has, and those of another shape (the first `shown` of each,

@@ -62,6 +62,9 @@ def test_same_layout_continues_bitwise_with_its_random_generators_and_reads_the_
     names = [r["file"] for r in ckpt.read_meta(dist_path)["files"]]
     assert {"trainer/metadata.json", "trainer/common.pt", "trainer/.metadata", "trainer/__0_0.distcp"} <= set(names)
     assert ckpt.read_meta(dist_path)["format"] == "torch_dist" and ckpt.verify(dist_path) is None
+    by_format = [ckpt.model_tensors(p) for p in (dist_path, torch_path)]  # read without a process group
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):  # the same name in both
+        assert torch.equal(by_format[0][name], by_format[1][name]), name
     for path in (dist_path, torch_path):  # this run writes torch_dist; a per-rank checkpoint still loads
         resumed = _trainer("tiny-llama", [])
         try:
