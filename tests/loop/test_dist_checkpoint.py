@@ -110,10 +110,10 @@ def _megatron_lm_checkpoint(root, iteration: int = 3) -> dict[str, torch.Tensor]
     hf = load_hf_config(resolve_model_path("tiny-llama"))
     init_parallel(seed=7)
     try:
-        model = GPTModel(config=gpt_config(hf, use_cpu_initialization=True), transformer_layer_spec=get_gpt_layer_local_spec(),
-                         vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
-                         share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                         rotary_base=rope_theta(hf))
+        model = GPTModel(config=gpt_config(hf, use_cpu_initialization=True),
+                         transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=hf.vocab_size,
+                         max_sequence_length=hf.max_position_embeddings, share_embeddings_and_output_weights=False,
+                         position_embedding_type="rope", rotary_base=rope_theta(hf))
         directory = root / f"iter_{iteration:07d}"
         directory.mkdir(parents=True)
         dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": iteration,
