@@ -504,19 +504,17 @@ class PolicyTrainer:
         from megatron.core.dist_checkpointing.core import CheckpointingException
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-        from qurl_mcore.megatron.dist_checkpoint import load, sharded_state
+        from qurl_mcore.megatron.dist_checkpoint import load_training
 
         t, saved = self.cfg.train, meta["config"]["train"]
         same_layout = meta["world_size"] == dist.get_world_size() and all(
             saved[k] == getattr(t, k) for k in ("tp_size", "pp_size", "ep_size", "dp_size"))
-        state = {**sharded_state(self.stack, is_loading=True), **({"rng": self._rng_shard()} if same_layout else {})}
         try:
-            loaded = load(state, os.path.join(path, ckpt.TRAINER_DIR))
+            loaded = load_training(self.stack, os.path.join(path, ckpt.TRAINER_DIR),
+                                   {"rng": self._rng_shard()} if same_layout else {})
         except CheckpointingException as err:  # e.g. a tensor the checkpoint lacks or holds in another shape
             raise ValueError(f"{path} holds another model: resume with the model.path and precision it was "
                              f"written with, or start anew in another checkpoint.dir ({err})") from None
-        self.model.load_state_dict(loaded["model"])
-        self.stack.optimizer.load_state_dict(loaded["optimizer"])
         if same_layout:
             ckpt.set_rng_state(loaded["rng"])
             get_cuda_rng_tracker().set_states(loaded["rng"]["tracker"])

@@ -6,8 +6,9 @@ Every tensor is saved as a `ShardedTensor`: its global name and shape and where 
 take the names and slices of their parameters). Loading asks for the slices the *loading* layout holds, so a
 checkpoint written at TP=2 loads at TP=1, PP=2 or EP=2. Saving and loading are fully parallel: the slices
 held by several data-parallel replicas are written once, spread over the replicas
-(`FullyParallelSaveStrategyWrapper`), and each replica reads a part and passes it on
-(`FullyParallelLoadStrategyWrapper`).
+(`FullyParallelSaveStrategyWrapper`), and on GPUs each replica reads a part and passes it on
+(`FullyParallelLoadStrategyWrapper`; on the CPU every rank reads its own slices, since Megatron-Core 0.16
+exchanges them through CUDA tensors: `exchange_utils._get_empty_tensor_for_exchange` allocates on "cuda").
 
 Layout of one checkpoint directory (Megatron's): `metadata.json` (the backend), `common.pt` (rank 0: every
 non-tensor value), `.metadata` (the global index of every slice, written by the coordinator) and
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
@@ -44,9 +46,12 @@ def _model_state(model: torch.nn.Module) -> dict[str, Any]:
 
 def sharded_state(stack, is_loading: bool = False) -> dict[str, Any]:
     """The training stack's sharded state: {"model": ..., "optimizer": ...} (Megatron-LM's keys). The
-    distributed optimizer's state is described fully reshardable (any TP/PP/EP/DP on load)."""
+    optimizer's tensors are named by their parameters whatever the layout (the distributed optimizer's
+    state fully reshardable), so any TP/PP/EP/DP loads them."""
     model = _model_state(stack.model)
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+    # keys without the chained optimizers' "chained_<n>." prefix: a layout with expert parallelism has an expert
+    # optimizer of its own beside the dense one, its moments are still named by their parameters
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
     return {"model": model,
             "optimizer": stack.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)}
 
@@ -71,8 +76,74 @@ def save(state: dict[str, Any], directory: str | Path) -> list[str]:
 def load(state: dict[str, Any], directory: str | Path) -> dict[str, Any]:
     """Collective: the values of sharded state `state` (this rank's slices, whatever layout wrote them) read
     from `directory`."""
-    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(directory)), _dp_group())
+    strategy = get_default_load_sharded_strategy(str(directory))
+    if torch.cuda.is_available():  # Megatron exchanges the slices read through CUDA tensors only
+        strategy = FullyParallelLoadStrategyWrapper(strategy, _dp_group())
     return dist_checkpointing.load(state, str(directory), strategy)
+
+
+def load_training(stack, directory: str | Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Collective: model weights and optimizer state of `stack` from checkpoint `directory`, on whatever layout
+    wrote it; returns the loaded values of `extra` (more sharded state of this rank, e.g. its random
+    generators).
+
+    The optimizer is loaded in this layout's structure: its tensors (moments, fp32 main weights) from the
+    checkpoint, its common step count from the checkpoint, its hyperparameters (learning rate, betas, ...)
+    from this run. Another layout may split the parameters into other optimizers (a dense and an expert one
+    with expert parallelism), which the checkpoint's own structure would not fit."""
+    request = {**sharded_state(stack, is_loading=True), **(extra or {})}
+    wanted = _skeleton(request["optimizer"])  # before `load` replaces factories in place
+    loaded = load(request, directory)
+    stack.model.load_state_dict(loaded["model"])
+    optimizer = _fill(wanted, loaded["optimizer"])
+    step = _find(loaded["optimizer"], "common_step")
+    if step is not None:
+        for sub in _torch_optimizer_states(optimizer):
+            sub["state"]["common_step"] = step
+    stack.optimizer.load_state_dict(optimizer)
+    return {k: loaded[k] for k in extra or {}}
+
+
+def _skeleton(tree):
+    """`tree`'s containers copied, its leaves shared."""
+    if isinstance(tree, dict):
+        return {k: _skeleton(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_skeleton(v) for v in tree]
+    return tree
+
+
+def _fill(wanted, loaded):
+    """`wanted`'s structure: its sharded leaves (and local objects) as `loaded` has them, its plain leaves its own."""
+    if isinstance(wanted, dict):
+        return {k: _fill(v, loaded.get(k) if isinstance(loaded, dict) else None) for k, v in wanted.items()}
+    if isinstance(wanted, list):
+        return [_fill(v, loaded[i] if isinstance(loaded, list) and i < len(loaded) else None)
+                for i, v in enumerate(wanted)]
+    return loaded if isinstance(wanted, (ShardedBase, LocalNonpersistentObject)) else wanted
+
+
+def _find(tree, key: str):
+    """The first value under `key` anywhere in `tree` (None if none)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        tree = list(tree.values())
+    if isinstance(tree, list):
+        for value in tree:
+            found = _find(value, key)
+            if found is not None:
+                return found
+    return None
+
+
+def _torch_optimizer_states(tree) -> list[dict]:
+    """Every torch optimizer state dict ({"state", "param_groups"}) in `tree`."""
+    if isinstance(tree, dict):
+        if "state" in tree and "param_groups" in tree:
+            return [tree]
+        tree = list(tree.values())
+    return [sub for value in tree for sub in _torch_optimizer_states(value)] if isinstance(tree, list) else []
 
 
 def checkpoint_dir(path: str | Path) -> Path:
