@@ -47,6 +47,7 @@ def _second_step(trainer: PolicyTrainer) -> dict:
     return {"loss": metrics["loss/total"], "weights": _weights(trainer)}
 
 
+@pytest.mark.slow  # three trainers, four saves (about a minute)
 def test_same_layout_continues_bitwise_with_its_random_generators_and_reads_the_per_rank_format(tmp_path):
     trainer = _trainer("tiny-llama", [])
     try:
