@@ -87,21 +87,30 @@ def load_training(stack, directory: str | Path, extra: dict[str, Any] | None = N
     wrote it; returns the loaded values of `extra` (more sharded state of this rank, e.g. its random
     generators).
 
-    The optimizer is loaded in this layout's structure: its tensors (moments, fp32 main weights) from the
-    checkpoint, its common step count from the checkpoint, its hyperparameters (learning rate, betas, ...)
-    from this run. Another layout may split the parameters into other optimizers (a dense and an expert one
-    with expert parallelism), which the checkpoint's own structure would not fit."""
+    Another layout may split the parameters into another number of optimizers (a dense and an expert one
+    with expert parallelism, one without), which the checkpoint's own structure does not fit: the optimizer
+    is then loaded in this layout's structure, its tensors (moments, fp32 main weights) and step count from
+    the checkpoint, its hyperparameters (learning rate, betas, ...) from this run. Otherwise it is loaded as
+    Megatron-LM loads it, hyperparameters included."""
     request = {**sharded_state(stack, is_loading=True), **(extra or {})}
     wanted = _skeleton(request["optimizer"])  # before `load` replaces factories in place
     loaded = load(request, directory)
     stack.model.load_state_dict(loaded["model"])
-    optimizer = _fill(wanted, loaded["optimizer"])
-    step = _find(loaded["optimizer"], "common_step")
-    if step is not None:
-        for sub in _torch_optimizer_states(optimizer):
-            sub["state"]["common_step"] = step
+    optimizer = loaded["optimizer"]
+    if _optimizers(dist_checkpointing.load_common_state_dict(str(directory))["optimizer"]) != _optimizers(wanted):
+        optimizer = _fill(wanted, optimizer)
+        step = _find(loaded["optimizer"], "common_step")
+        if step is not None:
+            for sub in _torch_optimizer_states(optimizer):
+                sub["state"]["common_step"] = step
     stack.optimizer.load_state_dict(optimizer)
     return {k: loaded[k] for k in extra or {}}
+
+
+def _optimizers(state: dict) -> int:
+    """How many optimizers an optimizer's (sharded) state dict is of: a ChainedOptimizer's has one entry per
+    optimizer, keyed 0, 1, ..."""
+    return len(state) if state and all(isinstance(k, int) for k in state) else 1
 
 
 def _skeleton(tree):
