@@ -1,15 +1,21 @@
 """Checkpoints that are atomic, checksummed and written where the state lives.
 
-Each trainer rank writes its own file (`write_file`, called in the rank's process: no state travels through
-the driver) into `step_N.partial/`, hashing it as it goes; the driver writes its own file, then `finalize`
-records every file's size and SHA-256 in meta.json and publishes the directory with one rename. A crash at
+The trainer ranks write their state into `step_N.partial/` in their own processes (no state travels through
+the driver), in one of two formats (`FORMATS`, meta.json's "format"): `torch_dist`, Megatron-Core's
+distributed checkpoint in `step_N/trainer/` (megatron/dist_checkpoint.py: every rank writes its slices of
+every global tensor, so another parallel layout can load it), or `torch`, one `torch.save` file per rank
+(`write_file`: only the layout that wrote it can load it). Each rank hashes the files it wrote
+(`write_file` as it goes, `hash_files` after Megatron wrote them); the driver writes its own file, then
+`finalize` records every file's size and SHA-256 in meta.json and publishes the directory with one rename. A crash at
 any moment leaves the previous checkpoint or the new one, never a half-written one that resuming would pick.
 
 A checkpoint can still be damaged afterwards (a full disk, a truncated copy, an edit): `verify` re-reads
 every file against meta.json, resuming takes the newest checkpoint that verifies (`latest_valid`, naming the
 damaged ones), and `finalize` deletes an older checkpoint only once its successor has verified.
 
-Layout: ROOT/step_00000012/{meta.json, driver.pt, rank0.pt, rank1.pt, ...}
+Layout: ROOT/step_00000012/{meta.json, driver.pt, trainer/{metadata.json, common.pt, .metadata,
+__0_0.distcp, __1_0.distcp, ...}} (torch_dist) or ROOT/step_00000012/{meta.json, driver.pt, rank0.pt, ...}
+(torch).
 """
 from __future__ import annotations
 
@@ -31,8 +37,24 @@ _STEP_DIR = re.compile(r"step_(\d{8})$")
 _CHUNK = 8 << 20
 
 
+#: the trainer's state formats: whether a parallel layout other than the writer's can load it
+FORMATS = {"torch_dist": True, "torch": False}
+#: the directory of a torch_dist checkpoint that holds the trainer's distributed checkpoint
+TRAINER_DIR = "trainer"
+
+
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
+
+
+def partial_dir(root: str | Path, step: int) -> Path:
+    """Where step `step`'s files are written before `finalize` publishes them."""
+    return step_dir(root, step).with_suffix(".partial")
+
+
+def format_of(meta: dict[str, Any]) -> str:
+    """The trainer state's format of a checkpoint (its meta.json): one of FORMATS ("torch" when not recorded)."""
+    return meta.get("format", "torch")
 
 
 class _HashingWriter:
@@ -63,7 +85,7 @@ class _HashingWriter:
 def write_file(root: str | Path, step: int, name: str, state: dict[str, Any]) -> dict[str, Any]:
     """Save `state` as file `name` of step `step`'s partial checkpoint (durably: fsync'd before it takes its
     name). Returns its record for `finalize`: {"file", "bytes", "sha256"}."""
-    partial = step_dir(root, step).with_suffix(".partial")
+    partial = partial_dir(root, step)
     partial.mkdir(parents=True, exist_ok=True)
     tmp = partial / f"{name}.tmp"
     writer = _HashingWriter(tmp)
@@ -91,6 +113,18 @@ def _sha256(path: Path) -> str:
     return sha.hexdigest()
 
 
+def hash_files(directory: str | Path, names: list[str]) -> list[dict[str, Any]]:
+    """The records for `finalize` of files `names` (paths relative to `directory`, a step's partial
+    directory) that something else wrote: {"file", "bytes", "sha256"} each, fsync'd first."""
+    records = []
+    for name in names:
+        path = Path(directory) / name
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        records.append({"file": name, "bytes": path.stat().st_size, "sha256": _sha256(path)})
+    return records
+
+
 def verify(path: str | Path) -> str | None:
     """None if checkpoint directory `path` is whole, else what is wrong with it."""
     path = Path(path)
@@ -114,7 +148,7 @@ def finalize(root: str | Path, step: int, files: list[dict[str, Any]], meta: dic
     """After every file of the step was written (`write_file`; the caller's barrier): write meta.json with
     the files' records, publish the directory with one rename, verify it, and only then delete older
     checkpoints beyond the newest `keep` valid ones."""
-    partial = step_dir(root, step).with_suffix(".partial")
+    partial = partial_dir(root, step)
     missing = [r["file"] for r in files if not (partial / r["file"]).is_file()]
     if missing:
         raise RuntimeError(f"checkpoint step {step} lacks {missing}; was every rank saved?")
@@ -167,6 +201,23 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 def read_file(path: str | Path, name: str) -> dict[str, Any]:
     """One file's state of a published checkpoint."""
     return torch.load(Path(path) / name, map_location="cpu", weights_only=False)
+
+
+def model_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model's tensors of published checkpoint `path`, read in this process (no process group): every
+    global tensor whole, by Megatron's name (torch_dist), or trainer rank 0's by state-dict name (torch)."""
+    if format_of(read_meta(path)) == "torch":
+        state = read_file(path, rank_file(0))["model"]
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(Path(path) / TRAINER_DIR))
+    found = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in found.items()
+             if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
 
 
 def tensor_mismatch(saved: dict[str, Any], current: dict[str, Any], shown: int = 2) -> str | None:

@@ -31,6 +31,9 @@ KLEstimator = Literal[KL_ESTIMATORS]  # type: ignore[valid-type]
 @dataclass
 class ModelConfig:
     path: str = "smollm2"  # an HF checkpoint directory, or "smollm2" for the packaged SmolLM2-135M-Instruct
+    # a torch_dist checkpoint whose weights replace path's at the start (a Megatron-LM or slime --save directory,
+    # one of its iter_* directories, or a run's step_N/trainer); path still gives the architecture and tokenizer
+    load: str = ""
 
 
 @dataclass
@@ -112,7 +115,11 @@ class CheckpointConfig:
     every: int = 10
     keep: int = 2
     export_hf: bool = True  # at the end of the run, the trained model as an HF checkpoint in dir/hf
-    # resume a checkpoint whose model, precision or parallel layout differs from the run's (driver.RESUME_FIELDS)
+    # the trainer's state: torch_dist (Megatron's distributed checkpoint: resumable on another TP/PP/EP/DP) or
+    # torch (one file per rank: resumable on the same layout only); either loads, whatever this says
+    format: Literal["torch_dist", "torch"] = "torch_dist"
+    # resume a checkpoint whose model, precision or (format torch) parallel layout differs from the run's
+    # (driver.RESUME_FIELDS, LAYOUT_FIELDS)
     allow_mismatch: bool = False
 
 

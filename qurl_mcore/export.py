@@ -2,8 +2,9 @@
 SGLang load as they load the model it was trained from.
 
 Each trainer rank of the run is rebuilt on the CPU, in a process of its own, from the run's config (recorded in
-the checkpoint's meta.json) and its own checkpoint file; together they write the model with
-`qurl_mcore.megatron.export.write_hf_checkpoint`, which undoes the run's UAQ rescaling.
+the checkpoint's meta.json) and its slices of the model (torch_dist checkpoints) or its own file (per-rank
+torch checkpoints); together they write the model with `qurl_mcore.megatron.export.write_hf_checkpoint`, which
+undoes the run's UAQ rescaling.
 """
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from pathlib import Path
 
 import torch
 
-from qurl_mcore.checkpoint import latest_valid, rank_file, read_file, read_meta, verify
+from qurl_mcore.checkpoint import (
+    FORMATS, TRAINER_DIR, format_of, latest_valid, rank_file, read_file, read_meta, verify,
+)
 from qurl_mcore.config import flatten, load_config
+from qurl_mcore.megatron.dist_checkpoint import load_model
 from qurl_mcore.megatron.export import write_hf_checkpoint
 from qurl_mcore.megatron.gpt import build_gpt
 from qurl_mcore.megatron.parallel import destroy_parallel, init_parallel, spawn
@@ -29,8 +33,11 @@ def _export_rank(rank: int, checkpoint_dir: str, out_dir: str, dtype: str) -> st
     try:
         source = resolve_model_path(cfg.model.path)
         model = build_gpt(source)  # the stock linears: the parameters are the same whatever the precision
-        state = read_file(checkpoint_dir, rank_file(rank))["model"]
-        model.load_state_dict({k: v for k, v in state.items() if not k.endswith("._extra_state")})
+        if FORMATS[format_of(meta)]:
+            load_model(model, Path(checkpoint_dir) / TRAINER_DIR)
+        else:
+            state = read_file(checkpoint_dir, rank_file(rank))["model"]
+            model.load_state_dict({k: v for k, v in state.items() if not k.endswith("._extra_state")})
         out = write_hf_checkpoint(model, source, out_dir, uaq_scale=cfg.uaq.scale if cfg.uaq.enabled else None,
                                   dtype=getattr(torch, dtype))
         return None if out is None else str(out)

@@ -102,3 +102,23 @@ def test_a_full_disk_says_so_with_the_path_and_leaves_no_partial_file(tmp_path):
     assert err.value.errno == errno.ENOSPC
     assert f"no space left on device for {partial / 'rank0.pt'}" in str(err.value)
     assert "checkpoint.dir" in str(err.value) and not list(partial.iterdir())
+
+
+def test_files_another_writer_made_are_hashed_published_and_verified(tmp_path):
+    """A directory of files written by someone else (Megatron's distributed checkpoint): their records, by
+    path relative to the step, are published and checked like the ranks' own files."""
+    import hashlib
+
+    from qurl_mcore.checkpoint import format_of, hash_files, partial_dir
+
+    inner = partial_dir(tmp_path, 1) / "trainer"
+    inner.mkdir(parents=True)
+    (inner / "__0_0.distcp").write_bytes(b"slices" * 100)
+    records = hash_files(partial_dir(tmp_path, 1), ["trainer/__0_0.distcp"])
+    assert records == [{"file": "trainer/__0_0.distcp", "bytes": 600,
+                        "sha256": hashlib.sha256(b"slices" * 100).hexdigest()}]
+    path = finalize(tmp_path, 1, records, {"format": "torch_dist", "world_size": 1})
+    assert verify(path) is None and format_of(read_meta(path)) == "torch_dist"
+    (path / "trainer" / "__0_0.distcp").write_bytes(b"slicez" * 100)
+    assert verify(path) == "trainer/__0_0.distcp does not match its checksum"
+    assert format_of({}) == "torch"  # written before the format was recorded

@@ -212,11 +212,12 @@ class Loop:
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:
-        """Every rank writes its own file, the driver its RNG state; then the checkpoint is published."""
+        """Every rank writes its own files, the driver its RNG state; then the checkpoint is published."""
         root = self.cfg.checkpoint.dir
-        files = self.trainers.save_checkpoint(root, step)
+        files = [record for rank in self.trainers.save_checkpoint(root, step) for record in rank]
         files.append(ckpt.write_file(root, step, DRIVER_FILE, {"rng": ckpt.rng_state()}))
-        meta = {"world_size": len(self.trainers), "config": to_dict(self.cfg), "engine_restarts": self.engine_restarts}
+        meta = {"format": self.cfg.checkpoint.format, "world_size": len(self.trainers), "config": to_dict(self.cfg),
+                "engine_restarts": self.engine_restarts}
         return ckpt.finalize(root, step, files, meta, keep=self.cfg.checkpoint.keep)
 
     def restore(self, path: Path | None) -> int:
@@ -224,7 +225,7 @@ class Loop:
         if path is None:
             return 0
         meta = ckpt.read_meta(path)
-        if meta["world_size"] != len(self.trainers):
+        if not ckpt.FORMATS[ckpt.format_of(meta)] and meta["world_size"] != len(self.trainers):
             raise ConfigError(f"{path} was written by {meta['world_size']} trainer ranks, this run has "
                               f"{len(self.trainers)}; resume with the same train.tp_size/dp_size")
         self.trainers.load_checkpoint(str(path))
@@ -279,18 +280,20 @@ def _progress(cfg: Config, start: int):
                 file=sys.stderr, dynamic_ncols=True)
 
 
-#: what a checkpoint is tied to: the model its weights are, the precision they trained under, and how its rank
-#: files slice them
-RESUME_FIELDS = ("model.path", "precision", "scope", "fp4_format", "train.dtype", "train.tp_size", "train.pp_size",
-                 "train.ep_size", "train.dp_size")
+#: what a checkpoint is tied to: the model its weights are, the precision they trained under, and (a
+#: checkpoint.format whose files only their own layout loads: `checkpoint.FORMATS`) how its rank files slice them
+RESUME_FIELDS = ("model.path", "precision", "scope", "fp4_format", "train.dtype")
+LAYOUT_FIELDS = ("train.tp_size", "train.pp_size", "train.ep_size", "train.dp_size")
 
 
 def resume_mismatch(saved: dict, cfg: Config) -> list[str]:
-    """The RESUME_FIELDS whose value in a checkpoint's config (`saved`, meta.json's) differs from `cfg`'s, each
-    as "key: checkpoint's value (checkpoint) vs cfg's (this run)"; a field the checkpoint does not record is
-    not compared."""
+    """The RESUME_FIELDS (and LAYOUT_FIELDS, for a format another layout cannot load) whose value in a
+    checkpoint's config (`saved`, meta.json's) differs from `cfg`'s, each as "key: checkpoint's value
+    (checkpoint) vs cfg's (this run)"; a field the checkpoint does not record is not compared."""
     before, now = flatten(saved), flatten(to_dict(cfg))
-    return [f"{key}: {before[key]!r} (checkpoint) vs {now[key]!r} (this run)" for key in RESUME_FIELDS
+    reshardable = ckpt.FORMATS[before.get("checkpoint.format", ckpt.format_of({}))]
+    fields = RESUME_FIELDS + (() if reshardable else LAYOUT_FIELDS)
+    return [f"{key}: {before[key]!r} (checkpoint) vs {now[key]!r} (this run)" for key in fields
             if key in before and before[key] != now[key]]
 
 

@@ -98,8 +98,9 @@ class TrainerGroup:
     def empty_cache(self) -> None:
         self._on_every_rank("empty_cache", lambda t: t.empty_cache.remote())
 
-    def save_checkpoint(self, root: str, step: int) -> list[dict[str, Any]]:
-        """Every rank writes its file of step `step`'s checkpoint under `root`; their records in rank order."""
+    def save_checkpoint(self, root: str, step: int) -> list[list[dict[str, Any]]]:
+        """Every rank writes its files of step `step`'s checkpoint under `root`; their records, per rank in rank
+        order."""
         return self._on_every_rank("save_checkpoint", lambda t: t.save_checkpoint.remote(root, step))
 
     def load_checkpoint(self, path: str) -> None:

@@ -79,6 +79,7 @@ class PolicyTrainer:
         if log_file:  # an actor of a run: its output (Megatron's warnings included) goes to the run's logs
             redirect_output(log_file)
         from qurl_mcore.megatron import apply_uaq, build_gpt, init_parallel, load_hf_weights
+        from qurl_mcore.megatron.dist_checkpoint import load_model
         from qurl_mcore.megatron.gpt import load_hf_config
         # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron.parallel import current_device
@@ -107,6 +108,8 @@ class PolicyTrainer:
                      calculate_per_token_loss=True)
         self.model = build_gpt(self.hf_dir, **build)
         load_hf_weights(self.model, self.hf_dir)
+        if cfg.model.load:  # a Megatron-LM / slime torch_dist checkpoint's weights
+            load_model(self.model, cfg.model.load)
         if cfg.uaq.enabled:
             # training runs in the rescaled parameterisation, so every update is s times larger relative to
             # the rollout's quantization step (QuRL §4.3); the function computed is unchanged
@@ -123,6 +126,8 @@ class PolicyTrainer:
         if t.kl_coef > 0:
             self.ref = build_gpt(self.hf_dir, **build)
             load_hf_weights(self.ref, self.hf_dir)
+            if cfg.model.load:
+                load_model(self.ref, cfg.model.load)
             self.ref.requires_grad_(False).eval()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
@@ -471,10 +476,29 @@ class PolicyTrainer:
 
         load_optimizer_state(self.stack, state["optimizer"])
 
-    def save_checkpoint(self, root: str, step: int) -> dict[str, Any]:
-        """Write this rank's state into step `step`'s partial checkpoint (here, not through the driver);
-        returns the file's record for `checkpoint.finalize`."""
-        return ckpt.write_file(root, step, ckpt.rank_file(self.rank), self.state())
+    def save_checkpoint(self, root: str, step: int) -> list[dict[str, Any]]:
+        """Write this rank's state into step `step`'s partial checkpoint (here, not through the driver), in
+        checkpoint.format: torch_dist, its slices of the training state and its random generators
+        (collective over the trainer's ranks), or torch, its own file. Returns the records of the files it
+        wrote, for `checkpoint.finalize`."""
+        if self.cfg.checkpoint.format == "torch":
+            return [ckpt.write_file(root, step, ckpt.rank_file(self.rank), self.state())]
+        # Megatron-Core stays out of the driver, which imports this module (actors.py)
+        from qurl_mcore.megatron.dist_checkpoint import save, sharded_state
+
+        partial = ckpt.partial_dir(root, step)
+        (partial / ckpt.TRAINER_DIR).mkdir(parents=True, exist_ok=True)
+        written = save({**sharded_state(self.stack), "rng": self._rng_shard()}, partial / ckpt.TRAINER_DIR)
+        return ckpt.hash_files(partial, [f"{ckpt.TRAINER_DIR}/{name}" for name in written])
+
+    def _rng_shard(self):
+        """This rank's random generators as its slice of a per-rank object (Megatron-LM's "rng_state"): loaded
+        back only by the same layout, where rank r continues rank r's sequences."""
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        state = {**ckpt.rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+        return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
 
     def export_hf(self, out_dir: str) -> str | None:
         """Collective: the model as an HF checkpoint in `out_dir` (UAQ undone), written by rank 0."""
@@ -486,8 +510,31 @@ class PolicyTrainer:
         return None if out is None else str(out)
 
     def load_checkpoint(self, path: str) -> None:
-        """Load this rank's state from a published (verified) checkpoint."""
-        self.load_state(ckpt.read_file(path, ckpt.rank_file(self.rank)), source=path)
+        """Load this rank's state from a published (verified) checkpoint in either format (its meta.json
+        says which). A torch_dist checkpoint loads on any parallel layout (collective); its random generators
+        only on the layout that wrote it (another layout starts them from the run's seed)."""
+        meta = ckpt.read_meta(path)
+        if ckpt.format_of(meta) == "torch":
+            self.load_state(ckpt.read_file(path, ckpt.rank_file(self.rank)), source=path)
+            return
+        # Megatron-Core stays out of the driver, which imports this module (actors.py)
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        from qurl_mcore.megatron.dist_checkpoint import load_training
+
+        t, saved = self.cfg.train, meta["config"]["train"]
+        same_layout = meta["world_size"] == dist.get_world_size() and all(
+            saved[k] == getattr(t, k) for k in ("tp_size", "pp_size", "ep_size", "dp_size"))
+        try:
+            loaded = load_training(self.stack, os.path.join(path, ckpt.TRAINER_DIR),
+                                   {"rng": self._rng_shard()} if same_layout else {})
+        except CheckpointingException as err:  # e.g. a tensor the checkpoint lacks or holds in another shape
+            raise ValueError(f"{path} holds another model: resume with the model.path and precision it was "
+                             f"written with, or start anew in another checkpoint.dir ({err})") from None
+        if same_layout:
+            ckpt.set_rng_state(loaded["rng"])
+            get_cuda_rng_tracker().set_states(loaded["rng"]["tracker"])
 
     def empty_cache(self) -> None:
         """Hand the allocator's cached blocks back to the GPU, for an engine on the same one to resume into."""

@@ -35,8 +35,9 @@ _MARK = ".qurl-export"
 #: names an export (`write_hf_checkpoint`) writes, so that one written before the mark existed is still its own
 _EXPORT_NAME = re.compile(r"model-\d{5}\.safetensors|model\.safetensors\.index\.json|" + "|".join(
     re.escape(n) for n in _MODEL_FILES))
-#: what marks a directory as (part of) a run's checkpoints, which no export deletes
-_CHECKPOINT_NAME = re.compile(r"meta\.json|rank\d+\.pt|driver\.pt|step_\d{8}(\.partial)?")
+#: what marks a directory as (part of) a run's checkpoints (or a Megatron-LM one), which no export deletes
+_CHECKPOINT_NAME = re.compile(r"meta\.json|rank\d+\.pt|driver\.pt|step_\d{8}(\.partial)?|__\d+_\d+\.distcp|"
+                              r"latest_checkpointed_iteration\.txt")
 
 
 def _holds_checkpoint(path: Path) -> bool:

@@ -87,3 +87,15 @@ def test_out_as_an_option_or_positionally_and_a_missing_checkpoint_in_one_line(t
     assert main(["export", str(tmp_path / "bad"), "--out", str(tmp_path / "e")]) == 2
     assert capsys.readouterr().out == f"qurl export: {tmp_path / 'bad'}: no such checkpoint or directory\n"
     assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists() and not (tmp_path / "e").exists()
+
+
+def test_force_never_replaces_a_megatron_lm_checkpoint(tmp_path, capsys):
+    """A Megatron-LM / slime --save directory (torch_dist slices, its iteration file) is a checkpoint too."""
+    save = tmp_path / "megatron"
+    (save / "iter_0000001").mkdir(parents=True)
+    (save / "iter_0000001" / "__0_0.distcp").write_bytes(b"slices")
+    (save / "latest_checkpointed_iteration.txt").write_text("1")
+    hf = _uaq_scaled_hf(tmp_path / "hf_in")
+    assert main(["export", str(hf), str(save), "--uaq-scale", "1.5", "--force"]) == 2
+    assert "holds a checkpoint" in capsys.readouterr().out
+    assert (save / "iter_0000001" / "__0_0.distcp").read_bytes() == b"slices"

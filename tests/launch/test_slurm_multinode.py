@@ -79,7 +79,7 @@ def test_disaggregated_job_spans_two_slurm_nodes_and_requeues(slurm_nodes, tmp_p
     assert text.index("checkpoint written") < text.index("requeueing job")
     assert f"resuming at step {stopped} from {ckpt}" in text
     final = latest_checkpoint(ckpt)  # the newest checkpoint that verifies against its checksums
-    assert read_meta(final)["step"] == STEPS and (final / "rank0.pt").stat().st_size > 0
+    assert read_meta(final)["step"] == STEPS and (final / "trainer" / "__0_0.distcp").stat().st_size > 0
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # one row a step across the requeue
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qurl_mcore.checkpoint import latest_checkpoint, read_file, read_meta
+from qurl_mcore.checkpoint import latest_checkpoint, model_tensors, read_meta
 from qurl_mcore.loop.report import PANELS
 
 TINY = ["data.prompts_per_step=2", "data.num_prompts=16", "rollout.samples_per_prompt=2",
@@ -66,8 +66,7 @@ def _wait_for_step(run_dir: Path, process: subprocess.Popen, step: int, timeout:
 
 def _model_state(run_dir: Path) -> dict[str, torch.Tensor]:
     path = latest_checkpoint(run_dir / "ckpt")
-    state = read_file(path, "rank0.pt")
-    return read_meta(path)["step"], {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    return read_meta(path)["step"], model_tensors(path)
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +129,10 @@ def _assert_same_two_steps(run: Path, reference: Path) -> None:
     for a, b in zip(got, want):
         for key in ("reward/mean", "mismatch/abs_logprob_diff", "loss/total"):
             assert a[key] == b[key], key
-    mine, theirs = (read_file(r / "ckpt" / "step_00000002", "rank0.pt") for r in (run, reference))
-    for name, value in theirs["model"].items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(mine["model"][name], value), name
+    mine, theirs = (model_tensors(r / "ckpt" / "step_00000002") for r in (run, reference))
+    assert mine.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert torch.equal(mine[name], value), name
 
 
 @pytest.mark.slow
@@ -171,16 +170,17 @@ def test_killed_engine_is_replaced_and_the_run_finishes(tmp_path):
 
 @pytest.mark.slow
 def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(dense_run, tmp_path):
-    """The dense run keeps steps 2 and 3. Step 3's rank file truncated (a full disk): the resume names it,
+    """The dense run keeps steps 2 and 3. Step 3's slice file of rank 0 truncated (a full disk): the resume names it,
     takes step 2 instead, redoes step 3, and ends with the uninterrupted run's weights, bit for bit."""
     import shutil
 
     shutil.copytree(dense_run / "ckpt", tmp_path / "ckpt")
     shutil.copytree(dense_run / "logs", tmp_path / "logs", ignore=shutil.ignore_patterns("tensorboard"))
-    rank0 = tmp_path / "ckpt" / "step_00000003" / "rank0.pt"
+    rank0 = tmp_path / "ckpt" / "step_00000003" / "trainer" / "__0_0.distcp"
     rank0.write_bytes(rank0.read_bytes()[:1000])
     out = _train(tmp_path, "model.path=tiny-llama", "steps=3", *GREEDY)
-    assert "step_00000003 is damaged (rank0.pt has 1000 bytes" in out and "resuming at step 2" in out, out[-3000:]
+    assert "step_00000003 is damaged (trainer/__0_0.distcp has 1000 bytes" in out, out[-3000:]
+    assert "resuming at step 2" in out, out[-3000:]
     step, resumed = _model_state(tmp_path)
     _, reference = _model_state(dense_run)
     assert step == 3 and all(torch.equal(resumed[n], reference[n]) for n in reference)

@@ -19,10 +19,13 @@ def _checkpoint_of(cfg):
 
 
 def test_each_differing_field_is_named_with_both_values(tmp_path):
-    saved = to_dict(_run_config(tmp_path, "precision=int8", "train.tp_size=1"))
+    saved = to_dict(_run_config(tmp_path, "precision=int8", "train.tp_size=1", "checkpoint.format=torch"))
     now = _run_config(tmp_path, "precision=fp8", "train.tp_size=2", "train.lr=1e-5", "steps=99")
     assert resume_mismatch(saved, now) == ["precision: 'int8' (checkpoint) vs 'fp8' (this run)",
                                            "train.tp_size: 1 (checkpoint) vs 2 (this run)"]
+    # a torch_dist checkpoint loads on another layout: only the model and precision count
+    saved["checkpoint"]["format"] = "torch_dist"
+    assert resume_mismatch(saved, now) == ["precision: 'int8' (checkpoint) vs 'fp8' (this run)"]
     # what a run may change between its resumes (lr, steps) is not compared; nor a field the checkpoint lacks
     assert resume_mismatch(saved, _run_config(tmp_path, "train.lr=1e-5", "steps=99")) == []
     assert resume_mismatch({"model": {}}, now) == []

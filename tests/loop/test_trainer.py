@@ -238,8 +238,8 @@ def test_export_of_a_trained_checkpoint_loads_in_transformers_with_the_same_logi
         ids = batch.input_ids[:2, :8]
         with torch.no_grad():
             trained = trainer.model(ids, torch.arange(8).expand_as(ids), None)
-        files = [trainer.save_checkpoint(str(tmp_path / "ckpt"), 1)]
-        finalize(tmp_path / "ckpt", 1, files, {"world_size": 1, "config": to_dict(trainer.cfg)})
+        files = trainer.save_checkpoint(str(tmp_path / "ckpt"), 1)
+        finalize(tmp_path / "ckpt", 1, files, {"format": "torch_dist", "world_size": 1, "config": to_dict(trainer.cfg)})
     finally:
         trainer.close()
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
