@@ -66,7 +66,7 @@ def measure(rank: int, world_size: int, model: str, fmt: str, root: str) -> dict
 
     cfg = load_config(None, [f"model.path={model}", f"train.dp_size={world_size}", f"checkpoint.format={fmt}",
                              "uaq.enabled=false", "precision=bf16", "train.threads=1", "train.micro_batch_size=4"])
-    trainer = PolicyTrainer(cfg, rank=rank, world_size=world_size)
+    trainer = PolicyTrainer(cfg, cfg.recipe(), rank=rank, world_size=world_size)
     out: dict = {}
     try:
         trainer.step(batch(moe=trainer.moe))

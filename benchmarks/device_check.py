@@ -133,7 +133,7 @@ def trainer_steps(model_path: str, batches: list, *overrides: str) -> dict:
 
     cfg = load_config(None, [f"model.path={model_path}", "uaq.enabled=false", "train.loss=ppo", "train.lr=1e-5",
                              "train.micro_batch_size=4", *overrides])
-    trainer = PolicyTrainer(cfg)
+    trainer = PolicyTrainer(cfg, cfg.recipe())
     try:
         width = trainer._pad_width(batches[0]).input_ids.shape[1]
         steps = [trainer.step(b) for b in batches]

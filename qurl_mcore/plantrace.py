@@ -112,7 +112,7 @@ def _trainer_step(cfg: Config, hf: dict[str, Any], rank: int, world: int, gpu: s
             # a traced loss and norm have no values (they read 1): take the update, as a finite step does
             take = phase("optimizer", training.step)
             training.step = lambda stack, clip_grad, skip=False: take(stack, clip_grad, False)
-            trainer = PolicyTrainer(cfg, rank=rank, world_size=world)
+            trainer = PolicyTrainer(cfg, cfg.recipe(), rank=rank, world_size=world)
             # the states after the build (its passing copies, one tensor's at a time, do not grow with the layers
             # as the states do: a peak of 1 or 2 layers does not extrapolate)
             peaks["build"] = torch.cuda.memory_allocated()

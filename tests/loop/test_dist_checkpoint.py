@@ -19,8 +19,8 @@ BASE = ["train.lr=1e-3", "uaq.enabled=false", "precision=bf16", "train.loss=ppo"
 
 
 def _trainer(model: str, overrides: list[str], rank: int = 0, world_size: int = 1) -> PolicyTrainer:
-    return PolicyTrainer(load_config(None, [*BASE, f"model.path={model}", *overrides]), rank=rank,
-                         world_size=world_size)
+    cfg = load_config(None, [*BASE, f"model.path={model}", *overrides])
+    return PolicyTrainer(cfg, cfg.recipe(), rank=rank, world_size=world_size)
 
 
 def _save(trainer: PolicyTrainer, root, step: int):
