@@ -9,34 +9,23 @@ from qurl_mcore.config import load_config
 from qurl_mcore.loop.sampler import engine_config
 from qurl_mcore.loop.trainer import CALIBRATION_PROMPTS, PolicyTrainer, calibration_prompts
 from qurl_mcore.megatron.convert import read_hf_state
-from qurl_mcore.rollout.engine import RolloutEngine
 from qurl_mcore.smoothing import calibrate, fold_table, smooth_tensor
 from qurl_mcore.uaq import uaq_scale_hf
 
+from .test_trainer import _RecordingEngine
 
-class _KeepingEngine(RolloutEngine):
-    """The engine side of a tensor push, in process: keeps what it receives."""
+
+class _KeepingEngine(_RecordingEngine):
+    """The engine side of a tensor push, in process: keeps copies of what it receives."""
 
     def __init__(self, config):
         super().__init__(config)
-        self.received: dict[str, torch.Tensor] = {}
-        self.version = None
-
-    def _generate(self, input_ids, sampling, extra):
-        raise NotImplementedError
+        self.kept: dict[str, torch.Tensor] = {}
 
     def _control(self, call, **kwargs):
         if call == "update_weights_from_tensor":
-            self.received.update({n: t.clone() for n, t in kwargs["named_tensors"]})
-        elif call == "update_weight_version":
-            self.version = kwargs["new_version"]
-        return True, ""
-
-    def model_info(self):
-        return {"weight_version": self.version}
-
-    def shutdown(self):
-        pass
+            self.kept.update({n: t.clone() for n, t in kwargs["named_tensors"]})
+        return super()._control(call, **kwargs)
 
 
 def _trainer(*overrides: str) -> PolicyTrainer:
@@ -49,7 +38,7 @@ def _push(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
     engine = _KeepingEngine(engine_config(trainer.cfg, trainer.recipe.engine, str(trainer.hf_dir), "cpu"))
     trainer.engines, trainer.engine_ids = [engine], [0]
     trainer.push_weights("v1")
-    return engine.received
+    return engine.kept
 
 
 def test_push_folds_the_calibrated_scales_over_uaq_and_a_resume_pushes_the_same(tmp_path):
