@@ -65,6 +65,8 @@ class RolloutConfig:
     offload: Literal["auto", True, False] = "auto"  # engines release their GPU memory while the trainer steps
     push_bucket_mb: int = 512  # bound on one weight-push bucket
     requant: Literal["eager", "compiled"] = "eager"  # engines' re-quantization per push; compiled: torch.compile'd
+    # SmoothQuant migration strength α of the engines' copy (qurl_mcore/smoothing.py); 0: off
+    smoothing: float = 0.0
     broadcast_timeout_s: float = 120.0  # disaggregated: a broadcast waits this long for a stalled peer, then fails
     restart_attempts: int = 2  # per step: restart a crashed engine (with the latest weights) and retry
 
@@ -237,6 +239,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout.temperature": _within(0, 10),
     "eval.temperature": _within(0, 10),
     "rollout.top_p": _within(0, 1, open_lo=True),
+    "rollout.smoothing": _within(0, 1),
     "rollout.top_k": (lambda v: v == -1 or v > 0, "must be -1 (off) or a positive count"),
     "rollout.mem_fraction": (_within(0, 1, open_hi=True)[0], "must be in [0, 1) (0: SGLang's default)"),
     "rollout.broadcast_timeout_s": (_within(0, 86400, open_lo=True)[0], "must be in (0, 86400] seconds"),

@@ -26,9 +26,10 @@ from .heldout import eval_examples, greedy_repeats
 from .models import ARCHITECTURES, resolve_model_path
 from .placement import placement_of, unplaceable
 from .models.registry import engine_reports_routing, features, hf_linears, num_experts
-from .precision import METHODS, PRECISIONS, get_precision, quantized_linears
+from .precision import METHODS, PRECISIONS, SCOPES, get_precision, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
 from .sizing import GPUS, check_fits, local_gpu, model_config
+from .smoothing import fold_table, refusal
 from .tasks import addition_examples, chat_ids, load_reward, scan_examples
 
 
@@ -268,6 +269,26 @@ def _model_card(cfg: Config, out: Preflight) -> tuple[str, dict[str, Any]] | Non
     return cfg.model.path, hf
 
 
+def _smoothing_rules(cfg: Config, hf: dict | None, out: Preflight) -> None:
+    """rollout.smoothing > 0 needs an engine format it serves and, in the model, a smoothed point among the
+    linears the scope quantizes (qurl_mcore/smoothing.py); its summary line."""
+    alpha = cfg.rollout.smoothing
+    if not alpha:
+        return
+    _, scope, fmt = cfg.resolved_precision()
+    why = refusal(fmt)
+    if why:
+        out.problems.append(f"rollout.smoothing: {alpha} with precision {cfg.precision!r}: {why}; set "
+                            "rollout.smoothing=0, or use precision int8 or fp8")
+    elif hf is not None and not fold_table(hf, SCOPES[scope]):
+        out.problems.append(f"rollout.smoothing: {alpha}, but scope {scope!r} quantizes none of the linears "
+                            f"smoothing serves in a {hf['model_type']} model (attention, a dense MLP, a shared "
+                            "expert's down projection); set rollout.smoothing=0, or use scope=all")
+    else:
+        out.summary.append(f"  smoothing   α = {alpha}: scales calibrated on the run's prompts, folded into every "
+                           "weight push")
+
+
 def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
     t, r = cfg.train, cfg.rollout
     heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
@@ -370,6 +391,7 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
         out.summary.append(f"  trainer     Megatron, {mode}: quantizes {_linears_line(hf, train)}")
         method = f"{precision.rollout} (mode {METHODS[precision.rollout].mode})" if precision.rollout else "bf16"
         out.summary.append(f"  engines     SGLang {method}, dtype {r.dtype}: quantize {_linears_line(hf, roll)}")
+    _smoothing_rules(cfg, None if model is None else model[1], out)
     _prompt_rows(cfg, out, model[0] if model is not None and Path(model[0]).is_dir() else None)
     _placement(cfg, use_gpu, out, local)
     t = cfg.train

@@ -189,3 +189,19 @@ def test_engine_memory_settings_on_gpus(tmp_path):
         assert "rollout.mem_fraction: 0 lets each engine take SGLang's default share" in unknown
     assert "rollout.mem_fraction" not in _problems(tmp_path, "rollout.mem_fraction=0.3", use_gpu=True)
     assert "rollout.mem_fraction" not in _problems(tmp_path, "layout=disaggregated", use_gpu=True)
+
+
+def test_smoothing_strength_and_the_precisions_it_serves(tmp_path, capsys):
+    # α outside [0, 1] is refused where it is given, by `qurl train --check` too
+    assert main(["train", "--check", *TINY, "rollout.smoothing=1.5", f"logging.dir={tmp_path}/logs"]) != 0
+    assert "rollout.smoothing: must be in [0, 1], got 1.5" in capsys.readouterr().err
+    assert "rollout.smoothing" not in _problems(tmp_path, "precision=int8", "rollout.smoothing=0.5")
+    assert "smoothing   α = 0.5" in _problems(tmp_path, "precision=fp8", "rollout.smoothing=0.5")
+    assert "rollout.smoothing: 0.5 with precision 'bf16': the engines run full precision" in _problems(
+        tmp_path, "rollout.smoothing=0.5")
+    assert "rollout.smoothing: 0.5 with precision 'fp4': nvfp4 quantizes activations in small blocks" in _problems(
+        tmp_path, "precision=fp4", "rollout.smoothing=0.5")
+    # an MoE model's experts scope holds no smoothed linear (the routed experts' input is the router's)
+    assert "rollout.smoothing: 0.5, but scope 'experts' quantizes none of the linears" in _problems(
+        tmp_path, "model.path=tiny-qwen3_moe", "precision=int8", "scope=experts", "rollout.smoothing=0.5")
+    assert "rollout.smoothing" not in _problems(tmp_path, "precision=fp4")  # 0: off, nothing to check

@@ -42,11 +42,13 @@ from qurl_mcore.recipe import Recipe, check_runnable
 from qurl_mcore.rl.losses import aggregation_units, policy_loss
 from qurl_mcore.rollout import HttpEngine, WeightPushError, WeightSpecError
 from qurl_mcore.rollout.broadcast import broadcast_weights, close_weight_group, open_weight_group
+from qurl_mcore.smoothing import calibrate, fold_table, smooth_buckets
+from qurl_mcore.tasks import chat_ids
 from qurl_mcore.transfer import bind_gloo_towards, free_port
 from qurl_mcore.uaq import update_capture_ratio
 
 from .batch import TrainBatch
-from .sampler import EngineFailure, engine_config, reference_engine_config
+from .sampler import EngineFailure, engine_config, load_prompt_set, prompt_indices, reference_engine_config
 from .tracking import redirect_output
 
 # Megatron-Core (and qurl_mcore.megatron, which imports it) is imported in the methods that use it: the driver
@@ -73,6 +75,9 @@ class PolicyTrainer:
     """One rank of the actor: a Megatron GPTModel on the rank's device (the trainer side of `recipe`, the run's
     resolved precision: `Config.recipe`, UAQ-scaled when on) inside Megatron's DDP and optimizer (megatron/training.py), a frozen
     reference copy when a KL term is on, and the clients of the engines this rank pushes weights to."""
+
+    #: rollout.smoothing's frozen scales (qurl_mcore/smoothing.py): calibrated at the first push, or restored
+    smoothing_scales: dict[str, torch.Tensor] | None = None
 
     def __init__(self, cfg: Config, recipe: Recipe, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int | None = None, log_file: str | None = None):
@@ -396,21 +401,48 @@ class PolicyTrainer:
             self.sender = None
 
     @contextlib.contextmanager
-    def _weight_stream(self):
+    def _weight_stream(self, smoothed: bool = False):
         """The HF-named export of this rank's weights, bucket by bucket in rollout.dtype (UAQ-scaled when UAQ is
-        on: the trainer's parameters already are); each bucket is gathered just before it goes out. Drained on
-        exit, also after a failure: the export gathers shards from every rank (collective)."""
+        on: the trainer's parameters already are; `smoothed`: with rollout.smoothing's scales folded in, in
+        fp32 before the cast); each bucket is gathered just before it goes out. Drained on exit, also after a
+        failure: the export gathers shards from every rank (collective)."""
         # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron import export_hf_weights
 
         r = self.cfg.rollout
-        stream = export_hf_weights(self.model, self.hf, bucket_bytes=r.push_bucket_mb << 20,
-                                   dtype=getattr(torch, r.dtype))
+        dtype = getattr(torch, r.dtype)
+        smoothed = smoothed and r.smoothing > 0
+        scales = self._smoothing() if smoothed else None
+        raw = export_hf_weights(self.model, self.hf, bucket_bytes=r.push_bucket_mb << 20,
+                                dtype=None if smoothed else dtype)
+        stream = smooth_buckets(raw, scales, fold_table(self.hf, self.recipe.engine.groups), dtype) if smoothed else raw
         try:
             yield stream
         finally:
-            for _ in stream:
+            for _ in raw:
                 pass
+
+    # -- activation smoothing (rollout.smoothing) ------------------------------------------------------------
+    def _smoothing(self) -> dict[str, torch.Tensor]:
+        """The frozen smoothing scales: restored from the checkpoint, or calibrated on the first call by rank 0
+        (`calibration_prompts` through the HF model in fp32 on this rank's device) and sent to every rank
+        (collective: every rank pushes at the same time)."""
+        if self.smoothing_scales is None:
+            box = [self._calibrate() if self.rank == 0 else None]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+            self.smoothing_scales = box[0]
+        return self.smoothing_scales
+
+    def _calibrate(self) -> dict[str, torch.Tensor]:
+        # transformers only where the scales are calibrated (once a run, rank 0)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=torch.float32).to(self.device).eval()
+        prompts = calibration_prompts(self.cfg, AutoTokenizer.from_pretrained(self.hf_dir))
+        scales = calibrate(model, prompts, self.hf, self.recipe.engine.groups, self.cfg.rollout.smoothing)
+        del model
+        return scales
 
     def push_weights(self, version: str, only: list[int] | None = None) -> float:
         """Stream this rank's weights to its engines as weight `version` (of `only` those engines, if
@@ -420,7 +452,7 @@ class PolicyTrainer:
         start = time.perf_counter()
         targets = [k for k, i in enumerate(self.engine_ids) if only is None or i in only]
         failure: Exception | None = None
-        with self._weight_stream() as stream:
+        with self._weight_stream(smoothed=True) as stream:
             try:
                 if self.sender is not None:
                     broadcast_weights(self.sender, self.engines, stream, version)
@@ -462,7 +494,11 @@ class PolicyTrainer:
         from qurl_mcore.megatron.training import optimizer_state
 
         return {"model": self.model.state_dict(), "optimizer": optimizer_state(self.stack),
-                "config": asdict(self.cfg.train)}
+                "config": asdict(self.cfg.train), **self._smoothing_state()}
+
+    def _smoothing_state(self) -> dict[str, Any]:
+        """rollout.smoothing's scales, once calibrated, for a resume to restore (`load_state`)."""
+        return {} if self.smoothing_scales is None else {"smoothing": self.smoothing_scales}
 
     def load_state(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
         mismatch = ckpt.tensor_mismatch(state["model"], self.model.state_dict())
@@ -475,6 +511,7 @@ class PolicyTrainer:
         from qurl_mcore.megatron.training import load_optimizer_state
 
         load_optimizer_state(self.stack, state["optimizer"])
+        self.smoothing_scales = state.get("smoothing")  # a checkpoint without them: calibrated at the next push
 
     def save_checkpoint(self, root: str, step: int) -> list[dict[str, Any]]:
         """Write this rank's state into step `step`'s partial checkpoint (here, not through the driver), in
@@ -547,6 +584,18 @@ class PolicyTrainer:
 
         self.close_weight_group()
         destroy_parallel()
+
+
+#: prompts the smoothing scales are calibrated on: the first the run takes (rollout.smoothing)
+CALIBRATION_PROMPTS = 64
+
+
+def calibration_prompts(cfg: Config, tokenizer) -> list[torch.Tensor]:
+    """The token ids of the first `CALIBRATION_PROMPTS` prompts the run takes (the prompt set's order of its
+    first steps, `prompt_indices`), as the engines see them (chat template, data.system_prompt)."""
+    examples = load_prompt_set(cfg)
+    chosen = prompt_indices(len(examples), 0, min(CALIBRATION_PROMPTS, len(examples)), cfg.seed)
+    return [torch.tensor(chat_ids(tokenizer, examples[i], cfg.data.system_prompt)) for i in chosen]
 
 
 def _parts(rows: int, parts: int) -> list[slice]:
