@@ -526,7 +526,10 @@ class PolicyTrainer:
         partial = ckpt.partial_dir(root, step)
         (partial / ckpt.TRAINER_DIR).mkdir(parents=True, exist_ok=True)
         written = save({**sharded_state(self.stack), "rng": self._rng_shard()}, partial / ckpt.TRAINER_DIR)
-        return ckpt.hash_files(partial, [f"{ckpt.TRAINER_DIR}/{name}" for name in written])
+        records = ckpt.hash_files(partial, [f"{ckpt.TRAINER_DIR}/{name}" for name in written])
+        if self.rank == 0 and self.smoothing_scales is not None:  # alike on every rank: one copy
+            records.append(ckpt.write_file(root, step, SMOOTHING_FILE, self._smoothing_state()))
+        return records
 
     def _rng_shard(self):
         """This rank's random generators as its slice of a per-rank object (Megatron-LM's "rng_state"): loaded
@@ -572,6 +575,9 @@ class PolicyTrainer:
         if same_layout:
             ckpt.set_rng_state(loaded["rng"])
             get_cuda_rng_tracker().set_states(loaded["rng"]["tracker"])
+        smoothing = os.path.join(path, SMOOTHING_FILE)
+        # a checkpoint without them: calibrated at the next push
+        self.smoothing_scales = ckpt.read_file(path, SMOOTHING_FILE)["smoothing"] if os.path.isfile(smoothing) else None
 
     def empty_cache(self) -> None:
         """Hand the allocator's cached blocks back to the GPU, for an engine on the same one to resume into."""
@@ -586,6 +592,8 @@ class PolicyTrainer:
         destroy_parallel()
 
 
+#: the file of a torch_dist checkpoint holding rollout.smoothing's frozen scales (the same on every rank)
+SMOOTHING_FILE = "smoothing.pt"
 #: prompts the smoothing scales are calibrated on: the first the run takes (rollout.smoothing)
 CALIBRATION_PROMPTS = 64
 

@@ -92,6 +92,12 @@ def load_training(stack, directory: str | Path, extra: dict[str, Any] | None = N
     is then loaded in this layout's structure, its tensors (moments, fp32 main weights) and step count from
     the checkpoint, its hyperparameters (learning rate, betas, ...) from this run. Otherwise it is loaded as
     Megatron-LM loads it, hyperparameters included."""
+    if not any(key.startswith("optimizer.state.") for key in dist_checkpointing.load_tensors_metadata(str(directory))):
+        # saved before the optimizer's first step (every step so far without a learning signal): it had no
+        # state, which is what this stack's fresh optimizer holds; its lazily made state is not requested
+        loaded = load({"model": _model_state(stack.model), **(extra or {})}, directory)
+        stack.model.load_state_dict(loaded["model"])
+        return {k: loaded[k] for k in extra or {}}
     request = {**sharded_state(stack, is_loading=True), **(extra or {})}
     wanted = _skeleton(request["optimizer"])  # before `load` replaces factories in place
     loaded = load(request, directory)

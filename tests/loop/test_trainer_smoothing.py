@@ -12,6 +12,7 @@ from qurl_mcore.megatron.convert import read_hf_state
 from qurl_mcore.smoothing import calibrate, fold_table, smooth_tensor
 from qurl_mcore.uaq import uaq_scale_hf
 
+from .test_dist_checkpoint import _save
 from .test_trainer import _RecordingEngine
 
 
@@ -49,6 +50,7 @@ def test_push_folds_the_calibrated_scales_over_uaq_and_a_resume_pushes_the_same(
         pushed = _push(trainer)
         scales = trainer.smoothing_scales
         state = trainer.state()
+        published = _save(trainer, tmp_path / "ckpt", 1)  # the default format, torch_dist
     finally:
         trainer.close()
     hf_dir = trainer.hf_dir
@@ -71,7 +73,7 @@ def test_push_folds_the_calibrated_scales_over_uaq_and_a_resume_pushes_the_same(
     # the checkpoint holds the scales; a resumed trainer pushes bitwise the same weights with them, even where
     # its own prompts would calibrate other scales
     torch.save(state, tmp_path / "s.pt")
-    resumed = _trainer("seed=5")
+    resumed = _trainer("seed=5", "checkpoint.format=torch")
     try:
         resumed.load_state(torch.load(tmp_path / "s.pt", weights_only=False))
         assert all(torch.equal(resumed.smoothing_scales[k], scales[k]) for k in scales)
@@ -79,3 +81,9 @@ def test_push_folds_the_calibrated_scales_over_uaq_and_a_resume_pushes_the_same(
     finally:
         resumed.close()
     assert all(torch.equal(pushed_again[n], pushed[n]) for n in pushed)
+    resumed = _trainer("seed=5")
+    try:
+        resumed.load_checkpoint(str(published))
+        assert all(torch.equal(resumed.smoothing_scales[k], scales[k]) for k in scales)
+    finally:
+        resumed.close()
