@@ -18,6 +18,19 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _gloo_interface():
+    """A trainer built in this process binds gloo to the interface towards its peer, loopback here, by setting
+    GLOO_SOCKET_IFNAME (`qurl_mcore.transfer.bind_gloo_towards`); a later test's runs and namespace nodes would
+    inherit it, and their groups across nodes would listen on loopback. Each test gets the variable back."""
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    yield
+    if before is None:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    else:
+        os.environ["GLOO_SOCKET_IFNAME"] = before
+
+
 @pytest.fixture(scope="module")
 def megatron_ws1():
     """Megatron's model-parallel state at world size 1 (gloo on CPU) for one module's in-process tests.

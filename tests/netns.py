@@ -36,7 +36,8 @@ class Nodes:
                     "QURL_NETNS_SUBNET": f"10.231.{tag + 20}", "QURL_RAY_STATE_DIR": str(state_dir),
                     "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
                     "RAY_AUTH_TOKEN_PATH": str(token)}
-        for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
+        # other machines: not this process's cluster, token or gloo interface
+        for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "GLOO_SOCKET_IFNAME"):
             self.env.pop(key, None)
         self.count = count
         self.ray: list[subprocess.Popen] = []
