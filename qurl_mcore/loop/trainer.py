@@ -111,10 +111,11 @@ class PolicyTrainer:
         self.recipe = recipe  # the driver's (start_actors), the same for every rank and, in part, every engine
         build = dict(recipe=self.recipe, dtype=cfg.train_dtype(), recompute=t.recompute,
                      calculate_per_token_loss=True)
+        # the starting weights: a Megatron-LM / slime torch_dist checkpoint's (model.load, every tensor), else HF's
+        start = (lambda m: load_model(m, cfg.model.load)) if cfg.model.load else (
+            lambda m: load_hf_weights(m, self.hf_dir))
         self.model = build_gpt(self.hf_dir, **build)
-        load_hf_weights(self.model, self.hf_dir)
-        if cfg.model.load:  # a Megatron-LM / slime torch_dist checkpoint's weights
-            load_model(self.model, cfg.model.load)
+        start(self.model)
         if cfg.uaq.enabled:
             # training runs in the rescaled parameterisation, so every update is s times larger relative to
             # the rollout's quantization step (QuRL §4.3); the function computed is unchanged
@@ -130,9 +131,7 @@ class PolicyTrainer:
         self.ref = None
         if t.kl_coef > 0:
             self.ref = build_gpt(self.hf_dir, **build)
-            load_hf_weights(self.ref, self.hf_dir)
-            if cfg.model.load:
-                load_model(self.ref, cfg.model.load)
+            start(self.ref)
             self.ref.requires_grad_(False).eval()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
