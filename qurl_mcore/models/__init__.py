@@ -3,6 +3,8 @@ downloaded at run time; converted checkpoints are cached under `cache_dir()` (ne
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from .registry import ARCHITECTURES  # the HF model types qurl-mcore trains and rolls out, each with its table
@@ -13,6 +15,27 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("QURL_CACHE_DIR") or Path.home() / ".cache" / "qurl-mcore")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def publish(tmp: Path, out: Path, replace: bool = False) -> Path:
+    """Make the finished directory `tmp` the cache entry `out` in one rename, so no reader ever sees half of
+    it. Makers of the same entry may race (two runs or test workers sharing a cache): their contents are the
+    same, the first rename wins and a later one keeps the winner's. `replace` (a refresh) moves an existing
+    `out` aside first, and deletes it only once the new one is in place."""
+    old = None
+    if replace and out.exists():
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-old-"))
+        out.rename(old / out.name)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not out.is_dir():  # not a lost race: out is a file, or the cache's disk failed
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return out
 
 
 def resolve_model_path(path: str) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import cache_dir
+from . import cache_dir, publish
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The tied embedding / output matrix [49152, 576]; stored as Q8_0, the closest to the original BF16 weights.
@@ -71,9 +71,8 @@ def hf_checkpoint(refresh: bool = False) -> Path:
         # transformers refuses save_pretrained on a model it loaded from GGUF, so write the tensors directly
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        raise
+    # replaced on a refresh, or where an entry without its weights is in the way
+    return publish(tmp, out, replace=refresh or not (out / "model.safetensors").is_file())

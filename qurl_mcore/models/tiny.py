@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from . import cache_dir
+from . import cache_dir, publish
 from .registry import ARCHITECTURES
 from .smollm2 import hf_checkpoint
 
@@ -51,7 +51,7 @@ def tiny_checkpoint(arch: str, seed: int = 0, tokenizer: bool = True) -> Path:
             tok_src = hf_checkpoint()
             for name in _TOKENIZER_FILES:
                 shutil.copy(tok_src / name, tmp / name)
-        tmp.rename(out)
-    finally:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        raise
+    return publish(tmp, out)
