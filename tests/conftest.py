@@ -1,5 +1,6 @@
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,20 @@ os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.enviro
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel path); the CPU path is tested elsewhere"
 )
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). A file's tests share
+    one group, so they stay on one worker and a module fixture (a loop run several tests read) runs once.
+    Files that hold something the whole machine shares (network namespaces at fixed addresses, a Slurm
+    controller: their tests use `netns_nodes` or are marked `machine`) share one group, so two never run
+    at once; it goes first, being the longest."""
+    machine = {item.path for item in items
+               if "netns_nodes" in item.fixturenames or item.get_closest_marker("machine")}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("machine" if item.path in machine else
+                                                 str(Path(item.path).relative_to(config.rootpath))))
+    items.sort(key=lambda item: item.path not in machine)  # stable: each file stays in one piece
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,8 @@ import pytest
 
 from qurl_mcore.slurm import SlurmJob, submit
 
-pytestmark = pytest.mark.slow  # real engines, process groups or Slurm jobs: `make test`, not test-fast
+pytestmark = [pytest.mark.slow,  # real engines, process groups or Slurm jobs: `make test`, not test-fast
+              pytest.mark.machine]  # this machine's one Slurm controller
 
 ROOT = Path(__file__).resolve().parents[2]
 
