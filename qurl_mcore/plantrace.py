@@ -7,7 +7,9 @@ weights are read: a fake tensor has no values), and stepped once on one micro-ba
 `train.micro_batch_size` rows of `rollout.context_length` tokens on every data-parallel rank. Its peak is the
 most CUDA bytes alive at once over the build and the step (forward, backward, Megatron's DDP reduce, the
 optimizer's update: a traced step never reads a loss or a norm, so the update is always taken, and the
-optimizer's states are allocated as at a real first step).
+optimizer's states are allocated as at a real first step), then a push's export: every HF tensor gathered from
+its shards, cast to rollout.dtype and bucketed as `loop.trainer.PolicyTrainer.weight_stream` gives it, and
+broadcast over the NCCL-like group as a disaggregated push sends it.
 
 Each trace runs in a fresh process (`fakecuda.run_traced`). docs/plan.md says which terms of the plan the
 trace checks and which it cannot.
@@ -27,8 +29,9 @@ from .config import Config
 from .fakecuda import fake_cuda, run_traced
 from .models.registry import shape
 from .precision import quantized_linears
-from .sizing import engine_bytes, hf_tensors, trainer_bytes
+from .sizing import engine_bytes, hf_tensors, push_bytes, trainer_bytes
 from .sizing.gpus import get_gpu
+from .sizing.verdict import export_bytes
 
 #: a traced peak further than this from the plan's is a disagreement (`qurl plan --trace` says so)
 TOLERANCE = 0.15
@@ -42,17 +45,20 @@ _PLAN_GPU = {v: k for k, v in _FAKE_GPU.items()}
 MOE_STEP = ("Megatron's all-to-all token dispatcher copies the tokens per expert to the host to size its "
             "collectives (token_dispatcher.py, maybe_move_tensor_to_cpu), and a fake tensor has no values to copy")
 #: the phases of a step whose peaks are measured apart (in this order)
-PHASES = ("build", "before_training", "forward_backward", "optimizer", "update_capture")
+PHASES = ("build", "before_training", "forward_backward", "optimizer", "update_capture", "push")
 
 
 def trace_trainer(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeout: float = 900.0) -> dict[str, Any]:
     """The traced trainer rank of `cfg` for the model of config.json `hf` (module docstring), beside the plan:
-    `measured_peak_bytes` and `planned_peak_bytes` (`trainer_bytes(...)["peak"]`), the peak of each phase
-    (`phases`: the states after the build, what runs before training (no-grad log-prob passes, the update-capture metric's copy),
-    the forward and backward, the optimizer's update, the update-capture metric after it), the layers traced per pipeline stage, and the seconds the trace took."""
+    `measured_peak_bytes` and `planned_peak_bytes` (the plan's peak with a push's export, `peak_with_push`),
+    the peak of each phase (`phases`: the states after the build, what runs before training (no-grad log-prob
+    passes, the update-capture metric's copy), the forward and backward, the optimizer's update, the
+    update-capture metric after it, a push's export), the layers traced per pipeline stage, and the seconds the
+    trace took."""
 
     s = shape(hf)
     plan = trainer_bytes(s, cfg)
+    export = export_bytes(cfg, plan, push_bytes(s, cfg))
     t = cfg.train
     world = t.tp_size * t.pp_size * t.dp_size
     # the first rank of the fullest stage: Megatron's rank order puts the pipeline stage outermost
@@ -68,25 +74,27 @@ def trace_trainer(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeo
         phases = {k: two[k] + (per_stage - 2) * (two[k] - one[k]) for k in two}
         traced = [1, 2]
     which = "distributed" if plan["distributed_optimizer"] else "replicated"
-    out = {"measured_peak_bytes": max(phases.values()), "planned_peak_bytes": plan["peak"], "step_traced": step,
-           "phases": phases, "planned": {"static": plan["static"], "activations": plan["activations"][t.recompute],
-                                         "update_capture": plan["update_capture"]},
+    out = {"measured_peak_bytes": max(phases.values()), "planned_peak_bytes": max(plan["peak"], export),
+           "step_traced": step, "phases": phases,
+           "planned": {"static": plan["static"], "activations": plan["activations"][t.recompute],
+                       "update_capture": plan["update_capture"], "push": export},
            "rank": rank, "world_size": world, "layers_traced_per_stage": traced}
-    if not step:  # the build only: its states, without Adam's (a first update allocates them)
-        out.update(planned_peak_bytes=plan["static"] - plan["optimizer"][which], why=MOE_STEP)
+    if not step:  # the build and a push only: the states without Adam's (a first update allocates them)
+        adam = plan["optimizer"][which]
+        out.update(planned_peak_bytes=max(plan["static"], export) - adam, why=MOE_STEP)
+        out["planned"]["push"] -= adam
     return {**out, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def _trainer_step(cfg: Config, hf: dict[str, Any], rank: int, world: int, gpu: str, step: bool) -> dict[str, int]:
-    """In the traced process: build the trainer rank and (`step`) step it once (`trace_trainer`); the peak CUDA
-    bytes of each of `PHASES` (the build's only without a step)."""
+    """In the traced process: build the trainer rank, (`step`) step it once and export a push
+    (`trace_trainer`); the peak CUDA bytes of each of `PHASES` (the build's and the push's only without a
+    step)."""
     # Megatron-Core, in the traced process only
     import qurl_mcore.megatron as megatron
     import qurl_mcore.megatron.training as training
-    from qurl_mcore.loop.batch import TrainBatch
     from qurl_mcore.loop.trainer import PolicyTrainer
 
-    t = cfg.train
     peaks: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(hf))
@@ -117,17 +125,37 @@ def _trainer_step(cfg: Config, hf: dict[str, Any], rank: int, world: int, gpu: s
             # as the states do: a peak of 1 or 2 layers does not extrapolate)
             peaks["build"] = torch.cuda.memory_allocated()
             trace.reset_peak()
-            if not step:
-                trainer.close()
-                return dict(peaks)
-            rows, width = t.micro_batch_size * t.dp_size, cfg.rollout.context_length
-            ones = torch.ones(rows, width, dtype=torch.bool)
-            batch = TrainBatch(torch.zeros(rows, width, dtype=torch.long), ones, ones.clone(),
-                               torch.zeros(rows, width), torch.zeros(rows))
-            trainer.step(batch)  # after the optimizer's phase: the update-capture metric
-            mark("update_capture")
+            if step:
+                _step(trainer, cfg)
+                mark("update_capture")
+            _push(trainer)
+            mark("push")
             trainer.close()
-    return {k: peaks[k] for k in PHASES}
+    return {k: peaks[k] for k in PHASES if k in peaks}
+
+
+def _step(trainer, cfg: Config) -> None:
+    """One step on a micro-batch of `train.micro_batch_size` rows of `rollout.context_length` tokens per
+    data-parallel rank."""
+    from qurl_mcore.loop.batch import TrainBatch
+
+    t = cfg.train
+    rows, width = t.micro_batch_size * t.dp_size, cfg.rollout.context_length
+    ones = torch.ones(rows, width, dtype=torch.bool)
+    batch = TrainBatch(torch.zeros(rows, width, dtype=torch.long), ones, ones.clone(), torch.zeros(rows, width),
+                       torch.zeros(rows))
+    trainer.step(batch)  # after the optimizer's phase: the update-capture metric
+
+
+def _push(trainer) -> None:
+    """A push's export (unsmoothed: rollout.smoothing's fold, one tensor at a time in fp32, is not traced),
+    broadcast bucket by bucket over the default group, which refuses host tensors as NCCL does."""
+    from qurl_mcore.rollout.broadcast import WeightSender
+
+    sender = WeightSender(None, "qurl-trace", "nccl", torch.distributed.get_world_size())
+    with trainer.weight_stream() as stream:
+        for bucket in stream:
+            sender.send(bucket)
 
 
 def trace_engine(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeout: float = 900.0) -> dict[str, Any]:
@@ -218,8 +246,9 @@ def format_trace(trace: dict[str, Any]) -> str:
         f"trace     trainer rank {t['rank']} of {t['world_size']} on fake CUDA ({how}; {t['seconds']:.0f} s): "
         + (f"measured peak {gib(t['measured_peak_bytes'])}, planned {gib(t['planned_peak_bytes'])} ({_diff(t)}); "
            f"per phase: {phases}" if t["step_traced"] else
-           f"built only, measured {gib(t['measured_peak_bytes'])}, planned states without Adam's "
-           f"{gib(t['planned_peak_bytes'])} ({_diff(t)}); no step: {t['why']}"),
+           f"built and a push's export only, measured {gib(t['measured_peak_bytes'])}, planned without Adam's "
+           f"states {gib(t['planned_peak_bytes'])} ({_diff(t)}); per phase: {phases}; no step: {t['why']}")
+        + f"; push's export planned {gib(t['planned']['push'])}",
         f"trace     engine GPU weights after a load (the plugin's quantizer on one layer, times the layers; "
         f"{e['seconds']:.0f} s): measured {gib(e['measured_peak_bytes'])} (of it {gib(e['quantize_transient_bytes'])} "
         f"while one tensor is quantized), planned {gib(e['planned_peak_bytes'])} ({_diff(e)}); KV cache and "

@@ -51,7 +51,7 @@ ALLOWED: dict[str, tuple[str, frozenset[str]]] = {name: (what, frozenset(deps)) 
     ("integrations", "adapters for verl and slime", ("config", "megatron", "patching", "precision", "rl",
                                                      "sglang", "uaq", "recipe")),
     ("plantrace", "`qurl plan --trace`: a trainer rank and an engine's weights traced on fake CUDA", (
-        "config", "fakecuda", "loop", "megatron", "models", "precision", "sglang", "sizing")),
+        "config", "fakecuda", "loop", "megatron", "models", "precision", "rollout", "sglang", "sizing")),
     ("cli", "the `qurl` command", ("align", "compare", "config", "export", "loop", "megatron", "models", "patching",
                                    "plantrace", "precision", "preflight", "quant_report", "sizing", "slurm")),
     ("__main__", "`python -m qurl_mcore`", ("cli",)),

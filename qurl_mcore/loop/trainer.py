@@ -400,7 +400,7 @@ class PolicyTrainer:
             self.sender = None
 
     @contextlib.contextmanager
-    def _weight_stream(self, smoothed: bool = False):
+    def weight_stream(self, smoothed: bool = False):
         """The HF-named export of this rank's weights, bucket by bucket in rollout.dtype (UAQ-scaled when UAQ is
         on: the trainer's parameters already are; `smoothed`: with rollout.smoothing's scales folded in, in
         fp32 before the cast); each bucket is gathered just before it goes out. Drained on exit, also after a
@@ -445,13 +445,13 @@ class PolicyTrainer:
 
     def push_weights(self, version: str, only: list[int] | None = None) -> float:
         """Stream this rank's weights to its engines as weight `version` (of `only` those engines, if
-        given), one bucket at a time (`_weight_stream`). Collective: every rank iterates the whole export, also
+        given), one bucket at a time (`weight_stream`). Collective: every rank iterates the whole export, also
         after its own engine failed. Returns the seconds taken; raises EngineFailure naming the engine that
         failed."""
         start = time.perf_counter()
         targets = [k for k, i in enumerate(self.engine_ids) if only is None or i in only]
         failure: Exception | None = None
-        with self._weight_stream(smoothed=True) as stream:
+        with self.weight_stream(smoothed=True) as stream:
             try:
                 if self.sender is not None:
                     broadcast_weights(self.sender, self.engines, stream, version)
@@ -473,7 +473,7 @@ class PolicyTrainer:
         `endpoint` (eval.bf16_reference; it shares rank 0's bundle, and rank 0 sends). Returns the seconds
         taken; raises EngineFailure naming it (engine number rollout.engines) when the push fails."""
         start = time.perf_counter()
-        with self._weight_stream() as stream:
+        with self.weight_stream() as stream:
             try:
                 if self.rank == 0:
                     engine = HttpEngine(reference_engine_config(self.cfg, str(self.hf_dir), self.device.type),

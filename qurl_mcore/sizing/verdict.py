@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..config import Config
 from ..models.cards import card
 from ..models.registry import shape
@@ -42,6 +44,19 @@ class Plan:
                                               "verdict", "problems")}
 
 
+def export_bytes(cfg: Config, trainer: dict[str, Any], push: dict[str, Any]) -> int:
+    """A trainer rank's bytes while it exports a push (`trainer`: `trainer_bytes(...)`, `push`: `push_bytes(...)`):
+    its states, and where the export makes copies (tensors gathered from TP, EP or pipeline peers, or cast
+    or smoothed into the rollout's dtype) one bucket of them and the largest tensor twice (its gathered
+    shards and their concatenation). Otherwise the buckets hold views of the parameters: nothing is added
+    (the attention's q/k/v, re-laid out from Megatron's fused projection, are the exception: under 2% of the
+    states, `qurl plan --trace` measures them)."""
+    t = cfg.train
+    copies = (t.tp_size * t.pp_size * t.ep_size > 1 or cfg.rollout.smoothing > 0
+              or cfg.train_dtype(cuda=True) != getattr(torch, cfg.rollout.dtype))
+    return trainer["static"] + (push["bucket_bytes"] + 2 * push["largest_tensor"] if copies else 0)
+
+
 def _budget(s: Shape, cfg: Config, gpu: GPU, master: str) -> dict[str, Any]:
     """Trainer and engine bytes, the peak of each kind of GPU the layout has, and whether each fits.
 
@@ -52,7 +67,7 @@ def _budget(s: Shape, cfg: Config, gpu: GPU, master: str) -> dict[str, Any]:
       rollout    the trainer's states (no activations) + the engine's peak"""
     trainer = trainer_bytes(s, cfg)
     push = push_bytes(s, cfg)
-    export = trainer["static"] + push["bucket_bytes"] + 2 * push["largest_tensor"]  # gathered, concatenated
+    export = export_bytes(cfg, trainer, push)
     trainer_peak = max(trainer["peak"], export)
     offload = cfg.offload_rollout(cuda=True)
     colocated = cfg.layout == "colocated"

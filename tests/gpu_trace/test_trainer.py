@@ -30,3 +30,19 @@ def test_policy_and_reference_are_on_the_device_in_bf16(arch, rows):
     which a fake tensor has no values for)."""
     out = run_traced(workers.trainer_steps, arch, ["train.kl_coef=0.1", "train.distributed_optimizer=false"], rows)
     assert out["policy"] == out["reference"] == [("cuda:0", "torch.bfloat16")]
+
+
+def test_a_push_exports_every_tensor_on_the_device_in_the_rollout_dtype_and_broadcasts_it_over_nccl():
+    """The streamed weight push at TP=2 with INT8 rollout and UAQ: each HF tensor
+    gathered from its shards on the device, cast to rollout.dtype, and taken by the NCCL-like group (which
+    refuses host tensors)."""
+    from safetensors import safe_open
+
+    from qurl_mcore.models.tiny import tiny_checkpoint
+
+    out = run_traced(workers.trainer_steps, "qwen3", ["precision=int8", "uaq.enabled=true"], [16], 2, 8, 1, True)
+    with safe_open(tiny_checkpoint("qwen3", tokenizer=False) / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert sorted(name for name, *_ in out["pushed"]) == sorted(names)  # each once, none missing
+    assert out["policy"] == [("cuda:0", "torch.bfloat16")]  # the rank's one visible GPU, as Ray gives it
+    assert {(device, dtype) for _, device, dtype in out["pushed"]} == set(out["policy"])

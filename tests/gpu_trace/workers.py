@@ -47,11 +47,13 @@ def model_parallel(tp: int, world_size: int, rank: int) -> dict:
 
 
 def trainer_steps(arch: str, overrides: list[str], rows: list[int], tp: int = 2, world_size: int = 8,
-                  rank: int = 1) -> dict:
+                  rank: int = 1, push: bool = False) -> dict:
     """A PolicyTrainer rank (bf16, Megatron's DDP with overlap_grad_reduce, the configured optimizer) built
     from tiny `arch` and stepped once per entry of `rows` (rows of the whole batch; this rank keeps its
     DP share), traced as rank `rank` of `world_size`. Returns the parameters' (device, dtype) kinds of the
-    policy and reference, and the peak CUDA bytes after the build and after each step."""
+    policy and reference, and the peak CUDA bytes after the build and after each step; with `push`, then a
+    push's export broadcast over the NCCL-like default group as a disaggregated push sends it, and the
+    (HF name, device, dtype) of each tensor the export gave."""
     from qurl_mcore.config import load_config
     from qurl_mcore.loop.trainer import PolicyTrainer
     from qurl_mcore.models.tiny import tiny_checkpoint
@@ -70,6 +72,15 @@ def trainer_steps(arch: str, overrides: list[str], rows: list[int], tp: int = 2,
         for n in rows:
             trainer.step(batch(rows=n, moe=trainer.moe))
             out["peaks"].append(trace.peak_bytes)
+        if push:
+            from qurl_mcore.rollout.broadcast import WeightSender
+
+            sender = WeightSender(None, "qurl-trace", "nccl", world_size)
+            out["pushed"] = []
+            with trainer.weight_stream(smoothed=True) as stream:
+                for bucket in stream:
+                    out["pushed"] += [(name, str(t.device), str(t.dtype)) for name, t in bucket]
+                    sender.send(bucket)
         trainer.close()
     return out
 
