@@ -3,7 +3,7 @@
 # of a loop test is processes starting, which leaves a core idle. TEST_WORKERS=0 runs them in this process.
 .PHONY: run test test-fast bench
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+XDIST = -n $(TEST_WORKERS) --no-loadscope-reorder
 run:
 	bash launch/setup_env.sh
 	.venv/bin/qurl train --config launch/configs/cpu_demo.yaml

@@ -14,18 +14,38 @@ requires_cuda = pytest.mark.skipif(
 )
 
 
+#: test files that hold something the whole machine shares (network namespaces and their Ray clusters, the one
+#: Slurm controller, Ray heads started by the launch scripts): under pytest-xdist they share one worker, one at a
+#: time. A file whose tests use `netns_nodes` or are marked `machine` must be here (checked at collection).
+MACHINE_FILES = ("tests/loop/test_e2e.py", "tests/loop/test_faults_multinode.py", "tests/launch/test_slurm_job.py",
+                 "tests/launch/test_slurm_multinode.py", "tests/launch/test_ray_cluster.py", "tests/test_transfer.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). A file's tests share
-    one group, so they stay on one worker and a module fixture (a loop run several tests read) runs once.
-    Files that hold something the whole machine shares (network namespaces at fixed addresses, a Slurm
-    controller: their tests use `netns_nodes` or are marked `machine`) share one group, so two never run
-    at once; it goes first, being the longest."""
-    machine = {item.path for item in items
-               if "netns_nodes" in item.fixturenames or item.get_closest_marker("machine")}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("machine" if item.path in machine else
-                                                 str(Path(item.path).relative_to(config.rootpath))))
-    items.sort(key=lambda item: item.path not in machine)  # stable: each file stays in one piece
+    """MACHINE_FILES first (the longest share of the suite: the other worker takes the rest meanwhile), each
+    file in one piece; a file that shares the machine but is not in MACHINE_FILES is an error."""
+    rel = {item: Path(item.path).relative_to(config.rootpath).as_posix() for item in items}
+    missing = sorted({rel[item] for item in items if rel[item] not in MACHINE_FILES and (
+        "netns_nodes" in item.fixturenames or item.get_closest_marker("machine"))})
+    if missing:
+        raise pytest.UsageError(f"{missing} share the machine (netns_nodes, or marked machine): add them to "
+                                "tests/conftest.py's MACHINE_FILES")
+    items.sort(key=lambda item: rel[item] not in MACHINE_FILES)  # stable: each file stays in one piece
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs the suite on two pytest-xdist workers: a file's tests on one worker, so a module fixture
+    (a loop run several tests read) runs once; MACHINE_FILES as one unit. (xdist's loadgroup would do this
+    from markers, but pytest 9 ignores the test-id suffix it writes.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "machine" if path in MACHINE_FILES else path
+
+    return ByFile(config, log)
 
 
 @pytest.fixture(autouse=True)

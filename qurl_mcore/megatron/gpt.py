@@ -72,8 +72,8 @@ def rope_scaling(hf_config) -> dict[str, Any]:
     RoPE types, and llama3 parameters Megatron-Core fixes otherwise (`LLAMA3_FIXED`), are refused."""
     params = _rope_parameters(hf_config)
     kind = params.get("rope_type", "default")
-    if kind == "default":
-        return {}
+    if kind == "default" or getattr(hf_config, "kv_lora_rank", None):
+        return {}  # MLA builds its own rotary embedding, YaRN included, from its config (`_mla`)
     if kind != "llama3":
         raise NotImplementedError(f"RoPE type {kind!r} is not supported; Megatron builds 'default' and 'llama3'")
     given = {k: params.get(k) for k in LLAMA3_FIXED}
@@ -173,22 +173,39 @@ def _sigmoid_router(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mla(c: dict[str, Any]) -> dict[str, Any]:
-    """MLATransformerConfig's fields for a DeepSeek-V3 config (plain RoPE on interleaved pairs, as Megatron's MLA
-    reads them; YaRN-scaled RoPE and a model without q's low rank are refused)."""
+    """MLATransformerConfig's fields for a DeepSeek-V3 config: RoPE on interleaved pairs, as Megatron's MLA reads
+    them, plain or YaRN-scaled (DeepSeek-V3's own: `_yarn`); other RoPE types and a model without q's low rank
+    are refused."""
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    kind = rope.get("rope_type", "default")
-    if kind != "default":
-        raise NotImplementedError(f"MLA with RoPE type {kind!r}: only 'default' is checked against transformers; "
-                                  "use a checkpoint whose rope_parameters has rope_type 'default'")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        raise NotImplementedError(f"MLA with RoPE type {kind!r}: 'default' and 'yarn' are checked against "
+                                  "transformers; use a checkpoint with one of them")
     if not c.get("rope_interleave", True):
         raise NotImplementedError("MLA with rope_interleave false: Megatron's MLA reads interleaved RoPE pairs")
     if not c.get("q_lora_rank"):
         raise NotImplementedError("MLA without q_lora_rank (DeepSeek-V2-Lite's q_proj) is not in the table")
     return dict(multi_latent_attention=True, q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"],
                 qk_head_dim=c["qk_nope_head_dim"], qk_pos_emb_head_dim=c["qk_rope_head_dim"],
-                v_head_dim=c["v_head_dim"], kv_channels=c["v_head_dim"], rope_type="rope",
+                v_head_dim=c["v_head_dim"], kv_channels=c["v_head_dim"],
                 rotary_base=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))), qk_layernorm=True,
-                num_query_groups=c["num_attention_heads"])
+                num_query_groups=c["num_attention_heads"], **(_yarn(c, rope) if kind == "yarn" else {"rope_type": "rope"}))
+
+
+def _yarn(c: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's YaRN fields for DeepSeek-V3's RoPE scaling, read as transformers reads them
+    (`_compute_yarn_parameters`): the factor, else max_position_embeddings / original_max_position_embeddings;
+    both scale the softmax by mscale(factor, mscale_all_dim)² and the rotary cos/sin by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    original = int(rope["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or c["max_position_embeddings"] / original)
+    if rope.get("mscale") not in (None, 1, 1.0) and not rope.get("mscale_all_dim"):
+        # transformers then drops mscale from the cos/sin factor; Megatron keeps it
+        raise NotImplementedError(f"YaRN with mscale {rope['mscale']} and no mscale_all_dim: transformers and "
+                                  "Megatron scale the rotary embedding differently there")
+    return dict(rope_type="yarn", rotary_scaling_factor=factor, original_max_position_embeddings=original,
+                beta_fast=float(rope.get("beta_fast", 32)), beta_slow=float(rope.get("beta_slow", 1)),
+                mscale=float(rope.get("mscale", 1)), mscale_all_dim=float(rope.get("mscale_all_dim", 0)))
 
 
 #: train.recompute -> Megatron's activation recomputation settings

@@ -83,4 +83,10 @@ DEEPSEEK_V3 = Architecture(
     tiny={"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
           "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4,
           "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
-          "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0, "norm_topk_prob": True})
+          "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0, "norm_topk_prob": True,
+          # DeepSeek-V3's YaRN (factor 40 over 4096 positions there; over 2048 / 32 = 64 here)
+          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0,
+                              "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                              "mscale": 1.0, "mscale_all_dim": 1.0},
+          # fields of DeepSeek-V3's config.json that transformers 5 drops from its class and SGLang reads
+          "moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"})

@@ -237,8 +237,8 @@ def test_mixtral_loop(tmp_path, precision, uaq, replay):
 def test_glm4_moe_loop(tmp_path):
     """Two steps on tiny-glm4_moe (a dense first layer, then a sigmoid router with an expert bias and a shared
     expert): FP4 RC experts on both sides with the engine's routing replayed (R3). tiny-deepseek_v3's loop cannot
-    run: SGLang 0.5.23's CPU engine cannot build MLA (docs/models.md); its trainer, converter and router replay
-    are tested in tests/megatron."""
+    run: SGLang 0.5.23's CPU engine cannot run MLA's attention without AMX (docs/models.md); its trainer,
+    converter and router replay are tested in tests/megatron."""
     _train(tmp_path, "model.path=tiny-glm4_moe", "steps=2", "precision=fp4_rc", "scope=experts",
            "uaq.enabled=false", "train.routing_replay=r3")
     records = _metrics(tmp_path)

@@ -212,3 +212,39 @@ def test_deepseek_v3_expert_bias_and_group_routing_equal_hf_transformers(megatro
     assert torch.equal(model.decoder.layers[1].mlp.router.expert_bias, state[name].float())
     ours = _megatron_logits(model, ids)
     assert (ours - biased).abs().max().item() <= 2e-5 * biased.abs().max().item()
+
+
+def _with_config(tmp_path, arch: str, **fields):
+    """tiny-`arch` with config.json fields replaced (same weights)."""
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny_checkpoint(arch), tmp_path / f"{arch}-changed")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **fields}))
+    return path
+
+
+def test_deepseek_v3_yarn_rope_equals_hf_transformers_and_differs_from_plain_rope(megatron_ws1, tmp_path):
+    """tiny-deepseek_v3 carries DeepSeek-V3's YaRN (factor 32, mscale_all_dim 1: a softmax scale of
+    (0.1·ln 32 + 1)² = 1.81 times 1/√24, and blended inverse frequencies). Over 100 tokens, beyond its 64
+    original positions, Megatron's MLA with rope_type yarn gives transformers' logits; the same weights under
+    plain RoPE give other logits (YaRN is exercised), also equal between the two."""
+    ids = random_ids(2, 100)
+    yarn = tiny_checkpoint("deepseek_v3")
+    plain = _with_config(tmp_path, "deepseek_v3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    refs = {}
+    for name, path in (("yarn", yarn), ("plain", plain)):
+        model = build_gpt(path)
+        load_hf_weights(model, path)
+        refs[name] = hf_logits(path, ids)
+        assert (_megatron_logits(model, ids) - refs[name]).abs().max().item() <= 2e-5 * refs[name].abs().max().item()
+    # a random model's attention moves its logits little, but 100x beyond the equality tolerance above
+    assert (refs["yarn"] - refs["plain"]).abs().max().item() > 100 * 2e-5 * refs["yarn"].abs().max().item()
+
+
+def test_yarn_that_transformers_and_megatron_scale_differently_is_refused(megatron_ws1, tmp_path):
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "original_max_position_embeddings": 64,
+            "mscale": 0.707}
+    with pytest.raises(NotImplementedError, match="mscale 0.707 and no mscale_all_dim"):
+        build_gpt(_with_config(tmp_path, "deepseek_v3", rope_parameters=rope))
