@@ -183,7 +183,7 @@ def test_activations_by_hand():
     selective = e * 2 * 32 + e * (4 + 2 * 2) * 32  # k, and the QKV output v is a view of
     mlp = norm + e * 128 + 4 * e * 256 + e * 256  # + fc1 input, [gate; up], silu, up + 0, fc2 input
     assert layer_activation_bytes(s, cfg, e) == {"attention": attention, "core": core, "selective": selective,
-                                                 "mlp": mlp}
+                                                 "mlp": mlp, "dense_mlp": mlp}  # a dense model: one MLP
     rope = 4 * e * 32 * 64
     logits = tokens * 49152 * (e + 8)
     layer = tokens * (attention + core + mlp) + rope

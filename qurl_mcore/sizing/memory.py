@@ -42,6 +42,7 @@ class _Stage:
     expert: int = 0
     trained_quantized: int = 0  # of those, in linears the trainer quantizes (precision.quantized_linears, train)
     layers: int = 0
+    dense_layers: int = 0  # of those, dense layers before the MoE ones (DeepSeek-V3's, GLM-4.5's first_k_dense_replace)
 
 
 def _stages(s: Shape, cfg: Config) -> list[_Stage]:
@@ -51,7 +52,7 @@ def _stages(s: Shape, cfg: Config) -> list[_Stage]:
     etp = 1 if ep > 1 else tp
     per = s.layers // pp
     quantized = _quantized(s, cfg.precision, cfg.scope, "train")
-    stages = [_Stage(layers=per) for _ in range(pp)]
+    stages = [_Stage(layers=per, dense_layers=min(per, max(0, s.dense_layers - k * per))) for k in range(pp)]
     experts = [[0, 0] for _ in range(pp)]  # all experts' parameters, of them quantized, per stage
     tensors = list(hf_tensors(s, pp))
     if s.tied and pp > 1:  # the last stage keeps a copy of the embedding as its output layer
@@ -93,12 +94,19 @@ def layer_activation_bytes(s: Shape, cfg: Config, e: int = 2) -> dict[str, int]:
                   RoPE; v, a view of the QKV output)
       selective   core recomputed: the checkpoint keeps its inputs instead, k (e·g·d) and v (the QKV output,
                   e·(a+2g)·d, unless q/k norms keep it already)
+      MLA         attention: norm + e·h (the down projections' input; they stay full precision) + 2e·r_q + 4
+                  (q's norm) + x·r_q (q_up input) + e·(r_kv + d_r) + 4 + e·r_kv (kv's norm, its input a view of
+                  the kv down projection's output) + x·r_kv (kv_up input) + e·a·d (q with its RoPE part, d =
+                  d_nope + d_r) + x·a·d_v (linear_proj input); core: e·s + 4a + e·a·d (k) + e·a·d_v (v);
+                  selective: k and v
       dense MLP   norm + x·h (fc1 input) + 4e·i (fc1 output [gate; up], silu(gate), up + 0 in Megatron's glu)
                   + x·i (fc2 input)
       MoE         norm + e·h (router input) + 5E + 24k (router scores, probabilities, top-k maps)
                   + k·(x·h + 5e·i_m + 4 + x·i_m) per routed copy: expert fc1 input, fc1 output, silu, up + 0,
                   the product scaled by its routing probability (and that probability), fc2 input
-                  [+ 4e·i_s + x·i_s, a shared expert]
+                  [+ 4e·i_s + x·i_s, a shared expert] [+ e·(h + 1), its sigmoid gate: the expert's output and
+                  the gate's value]
+      (`mlp` is the MoE's in an MoE model; `dense_mlp` the dense MLP of its first dense layers)
     For GPT's layer (MHA, a 4h GeLU MLP, dropout, fused norms) the same accounting gives Korthikanti et al.'s
     s·b·h·(34 + 5·a·s/h) (Reducing Activation Recomputation in Large Transformer Models, §4); SDPA keeps no
     a·s² scores and RL training has no dropout."""
@@ -111,21 +119,35 @@ def layer_activation_bytes(s: Shape, cfg: Config, e: int = 2) -> dict[str, int]:
     attention += e * (3 * a + 3 * g) * d if s.qk_norm else 0
     core = e * sq + 4 * a + (2 * e * a * d if g < a else e * a * d + qkv_out)
     selective = e * g * d + (0 if s.qk_norm else qkv_out)
+    if "mla" in s.features:
+        ql, kl, dr, dv = s.q_lora_rank, s.kv_lora_rank, s.qk_rope_head_dim, s.v_head_dim
+        attention = (norm + e * h + 2 * e * ql + 4 + x["attention"] * ql + e * (kl + dr) + 4 + e * kl
+                     + x["attention"] * kl + e * a * d + x["attention"] * a * dv)
+        core = e * sq + 4 * a + e * a * d + e * a * dv
+        selective = e * a * d + e * a * dv
     if s.experts:
         im, xe = s.moe_intermediate, x["experts"]
         mlp = norm + e * h + 5 * s.experts + 24 * s.topk + s.topk * (xe * h + 5 * e * im + 4 + xe * im)
         if s.shared_intermediate:
             mlp += 4 * e * s.shared_intermediate + x["shared_experts"] * s.shared_intermediate
-    else:
-        mlp = norm + x["mlp"] * h + 4 * e * s.intermediate + x["mlp"] * s.intermediate
-    return {"attention": attention, "core": core, "selective": selective, "mlp": mlp}
+        if "shared_expert_gate" in s.features:
+            mlp += e * (h + 1)
+    dense = norm + x["mlp"] * h + 4 * e * s.intermediate + x["mlp"] * s.intermediate
+    return {"attention": attention, "core": core, "selective": selective, "mlp": mlp if s.experts else dense,
+            "dense_mlp": dense}
+
+
+def rope_bytes(s: Shape, sq: int, e: int = 2) -> int:
+    """RoPE's cos and sin for q and k that a layer keeps, for sequences of sq tokens: 4·e·d·sq, d the rotary
+    head dimension (MLA's d_r)."""
+    return 4 * e * (s.qk_rope_head_dim if "mla" in s.features else s.head_dim) * sq
 
 
 def activation_bytes(s: Shape, cfg: Config, recompute: str, e: int = 2) -> list[int]:
     """Activation bytes of the training step on one rank of each pipeline stage, e bytes per element, at its
     peak: the end of the forward, when every layer's saved tensors (`layer_activation_bytes`) and the logits
     are alive. With sequence parallelism all of it /TP, per layer and micro-batch of b sequences of s:
-      none        b·s·(attention + core + mlp)/TP + 4·e·d·s (RoPE's cos and sin for q and k)
+      none        b·s·(attention + core + mlp)/TP + 4·e·d·s (RoPE's cos and sin for q and k; d_r with MLA)
       selective   the same with `selective` in place of `core`
       full        e·h·s·b/TP (the checkpointed layer input) plus one layer's whole set, recomputed
     Times the micro-batches in flight on the stage (1F1B: PP − stage, at most the micro-batches of a step).
@@ -140,17 +162,21 @@ def activation_bytes(s: Shape, cfg: Config, recompute: str, e: int = 2) -> list[
     sq = cfg.rollout.context_length
     tokens = sq * t.micro_batch_size
     per = layer_activation_bytes(s, cfg, e)
-    rope = 4 * e * s.head_dim * sq
-    layer_all = tokens * (per["attention"] + per["core"] + per["mlp"]) // t.tp_size + rope
+    rope = rope_bytes(s, sq, e)
+
+    def layer(core: str, mlp: str) -> int:
+        return tokens * (per["attention"] + per[core] + per[mlp]) // t.tp_size + rope
+
     out = []
     for k, st in enumerate(_stages(s, cfg)):
         inflight = min(t.pp_size - k, _microbatches(cfg))
-        if recompute == "none":
-            layers = st.layers * layer_all
-        elif recompute == "selective":
-            layers = st.layers * (tokens * (per["attention"] + per["selective"] + per["mlp"]) // t.tp_size + rope)
+        moe = st.layers - st.dense_layers
+        if recompute == "full":  # the recomputed layer: the larger kind the stage has
+            layers = st.layers * tokens * e * s.hidden // t.tp_size + max(
+                layer("core", "mlp") if moe else 0, layer("core", "dense_mlp") if st.dense_layers else 0)
         else:
-            layers = st.layers * tokens * e * s.hidden // t.tp_size + layer_all
+            core = "core" if recompute == "none" else "selective"
+            layers = moe * layer(core, "mlp") + st.dense_layers * layer(core, "dense_mlp")
         weights = 4 * st.trained_quantized // (st.layers if recompute == "full" else 1)
         logits = tokens * math.ceil(s.vocab / t.tp_size) * (e + 8) if k == t.pp_size - 1 else 0
         out.append(inflight * (layers + weights) + logits)

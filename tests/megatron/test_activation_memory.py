@@ -15,7 +15,7 @@ from qurl_mcore.models import resolve_model_path
 from qurl_mcore.models.registry import shape
 from qurl_mcore.recipe import resolve
 from qurl_mcore.sizing import activation_bytes, layer_activation_bytes, model_config
-from qurl_mcore.sizing.memory import _stages
+from qurl_mcore.sizing.memory import _stages, rope_bytes
 
 
 def _plan(name: str, precision: str, s: int, b: int, recompute: str = "none"):
@@ -61,18 +61,26 @@ def _peak_live_bytes(fn) -> int:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp4_rc"])
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3_moe"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3_moe", "tiny-mixtral",
+                                  "tiny-qwen2_moe", "tiny-glm4_moe", "tiny-deepseek_v3"])
 def test_layer_activations_equal_what_autograd_keeps(megatron_ws1, name, precision):
-    """Per layer: GQA attention (+ q/k norms for Qwen3), the dense GLU MLP or routed experts, and for the
-    quantized-training precision the fp32 weights and inputs its linears keep."""
+    """Per layer: GQA attention (+ q/k norms for Qwen3 and GLM-4.5) or MLA, the dense GLU MLP, routed experts
+    (+ a shared expert, gated for Qwen2-MoE), dense first layers before MoE ones, and for the quantized-training
+    precision the fp32 weights and inputs its linears keep."""
     s, b = 64, 2
     shape, cfg = _plan(name, precision, s, b)
     model = build_gpt(resolve_model_path(name), recipe=resolve(precision), core_attention="sdpa")
     measured = _saved_in_layers(model, torch.randint(3, 1000, (b, s), generator=torch.Generator().manual_seed(0)))
+    if "mla" in shape.features:
+        # MLA's v is narrower than q and k: torch's CPU SDPA then runs its math path, which keeps the attention
+        # probabilities (e·a·s per token) instead of the mask and log-sum-exp a GPU's fused kernel keeps
+        measured -= shape.layers * b * s * (4 * shape.heads * s - 4 * s - 4 * shape.heads)
     per = layer_activation_bytes(shape, cfg, e=4)
-    rope = 4 * 4 * shape.head_dim * s
-    planned = (shape.layers * (s * b * (per["attention"] + per["core"] + per["mlp"]) + rope)
-               + 4 * _stages(shape, cfg)[0].trained_quantized)
+    rope = rope_bytes(shape, s, e=4)
+    stage = _stages(shape, cfg)[0]
+    planned = (sum(s * b * (per["attention"] + per["core"] + per[mlp]) + rope for mlp in
+                   ["dense_mlp"] * stage.dense_layers + ["mlp"] * (shape.layers - stage.dense_layers))
+               + 4 * stage.trained_quantized)
     assert planned == pytest.approx(measured, rel=0.01)
 
 
