@@ -68,10 +68,14 @@ def trace_trainer(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeo
     start = time.perf_counter()
     if per_stage <= MAX_TRACED_LAYERS:
         phases, traced = run_traced(_trainer_step, cfg, hf, rank, world, gpu, step, timeout=timeout), per_stage
+        phases.pop("push_start")
     else:  # per phase: p(L) = p(2) + (L − 2)·(p(2) − p(1)), L layers per stage
         one, two = (run_traced(_trainer_step, cfg, {**hf, "num_hidden_layers": n * t.pp_size}, rank, world, gpu,
                                step, timeout=timeout) for n in (1, 2))
         phases = {k: two[k] + (per_stage - 2) * (two[k] - one[k]) for k in two}
+        # but the push's: the states it starts from grow with the layers, its gathered tensor and bucket do not
+        start = phases.pop("push_start")
+        phases["push"] = start + max(r["push"] - r["push_start"] for r in (one, two))
         traced = [1, 2]
     which = "distributed" if plan["distributed_optimizer"] else "replicated"
     out = {"measured_peak_bytes": max(phases.values()), "planned_peak_bytes": max(plan["peak"], export),
@@ -127,11 +131,12 @@ def _trainer_step(cfg: Config, hf: dict[str, Any], rank: int, world: int, gpu: s
             trace.reset_peak()
             if step:
                 _step(trainer, cfg)
-                mark("update_capture")
+            mark("update_capture" if step else "build")
+            peaks["push_start"] = torch.cuda.memory_allocated()  # what the push starts from (trace_trainer)
             _push(trainer)
             mark("push")
             trainer.close()
-    return {k: peaks[k] for k in PHASES if k in peaks}
+    return {k: peaks[k] for k in (*PHASES, "push_start") if k in peaks}
 
 
 def _step(trainer, cfg: Config) -> None:
