@@ -33,7 +33,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from qurl_mcore.models.registry import architecture
+from qurl_mcore.models.registry import architecture, features
 from qurl_mcore.models.slots import Shape
 from qurl_mcore.recipe import Recipe
 
@@ -72,7 +72,7 @@ def rope_scaling(hf_config) -> dict[str, Any]:
     RoPE types, and llama3 parameters Megatron-Core fixes otherwise (`LLAMA3_FIXED`), are refused."""
     params = _rope_parameters(hf_config)
     kind = params.get("rope_type", "default")
-    if kind == "default" or getattr(hf_config, "kv_lora_rank", None):
+    if kind == "default" or "mla" in features(hf_config):
         return {}  # MLA builds its own rotary embedding, YaRN included, from its config (`_mla`)
     if kind != "llama3":
         raise NotImplementedError(f"RoPE type {kind!r} is not supported; Megatron builds 'default' and 'llama3'")

@@ -54,19 +54,19 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _with_rope(tmp_path, rope: dict):
-    """tiny-llama with RoPE parameters `rope` (same weights)."""
+def _with_config(tmp_path, arch: str, **fields):
+    """tiny-`arch` with config.json fields replaced (same weights)."""
     import json
     import shutil
 
-    path = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "llama3")
+    path = shutil.copytree(tiny_checkpoint(arch), tmp_path / f"{arch}-changed")
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    (path / "config.json").write_text(json.dumps({**config, **fields}))
     return path
 
 
 def test_llama3_rope_scaling_equals_hf_transformers(megatron_ws1, tmp_path):
-    path = _with_rope(tmp_path, LLAMA3_ROPE)
+    path = _with_config(tmp_path, "llama", rope_parameters=LLAMA3_ROPE)
     model = build_gpt(path)
     load_hf_weights(model, path)
     hf_inv_freq = hf_model(path).model.rotary_emb.inv_freq
@@ -83,7 +83,7 @@ def test_llama3_rope_scaling_equals_hf_transformers(megatron_ws1, tmp_path):
                                         ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}, "'yarn'")])
 def test_rope_megatron_cannot_express_is_refused(megatron_ws1, tmp_path, rope, error):
     with pytest.raises(NotImplementedError, match=error):
-        build_gpt(_with_rope(tmp_path, rope))
+        build_gpt(_with_config(tmp_path, "llama", rope_parameters=rope))
 
 
 def test_sliding_window_attention_is_refused(megatron_ws1):
@@ -212,17 +212,6 @@ def test_deepseek_v3_expert_bias_and_group_routing_equal_hf_transformers(megatro
     assert torch.equal(model.decoder.layers[1].mlp.router.expert_bias, state[name].float())
     ours = _megatron_logits(model, ids)
     assert (ours - biased).abs().max().item() <= 2e-5 * biased.abs().max().item()
-
-
-def _with_config(tmp_path, arch: str, **fields):
-    """tiny-`arch` with config.json fields replaced (same weights)."""
-    import json
-    import shutil
-
-    path = shutil.copytree(tiny_checkpoint(arch), tmp_path / f"{arch}-changed")
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, **fields}))
-    return path
 
 
 def test_deepseek_v3_yarn_rope_equals_hf_transformers_and_differs_from_plain_rope(megatron_ws1, tmp_path):
