@@ -9,9 +9,10 @@
 #       one slurmd per node of launch/netns_cluster.sh (up already, same QURL_NETNS_PREFIX), each named after
 #       its namespace and reached at its address; slurmctld on this host at SUBNET.254 on the nodes' bridge,
 #       port 6827 (the one-node cluster keeps 6817). Configured in STATE_DIR/slurm.conf: clients (sbatch,
-#       squeue, scontrol) need SLURM_CONF=STATE_DIR/slurm.conf. `stop` stops only this cluster's daemons.
+#       squeue, scontrol) need SLURM_CONF=STATE_DIR/slurm.conf.
+#   `stop` stops only this cluster's daemons, by the PID files in STATE_DIR; munged, which all share, stays.
 set -euo pipefail
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "local_cluster.sh: $*" >&2; exit 1; }
 
 cmd=${1:-}; [[ -n "$cmd" ]] || usage; shift
@@ -70,6 +71,14 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 CONF
 }
 
+# slurmstepd listens on SlurmdSpoolDir/NODE_JOBID.STEPID, a Unix socket: the whole path must fit the kernel's
+# 108 bytes (107 characters), or every job fails at launch and Slurm requeues it without end. Counted for job
+# ids up to MaxJobId's default (8 digits) and a batch step's id (10 digits).
+check_socket_room() {  # check_socket_room NODE_NAME
+  local socket="$state/d/$1/${1}_12345678.4294967291"
+  (( ${#socket} <= 107 )) || die "STATE_DIR $state is too long for slurmstepd's sockets (${#socket} > 107 characters in $socket); use a shorter STATE_DIR, e.g. under /tmp"
+}
+
 node_line() {  # node_line NAME ADDRESS: every node offers the whole machine
   local mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
   echo "NodeName=$1 NodeAddr=$2 CPUs=$(nproc) RealMemory=$mem State=UNKNOWN"
@@ -85,6 +94,8 @@ start_munge() {
   # its socket is a file, so the namespace nodes (which share the file system) reach it as well
   pgrep -x munged >/dev/null || munged --force
 }
+
+alive() { [[ -s "$1" ]] && kill -0 "$(<"$1")" 2>/dev/null; }
 
 wait_until_idle() {  # wait_until_idle N: every one of the N nodes idle (or running jobs)
   local up
@@ -104,20 +115,13 @@ wait_until_idle() {  # wait_until_idle N: every one of the N nodes idle (or runn
 
 start() {
   install_packages
+  check_socket_room "$(hostname -s)"
   write_conf qurl-local 127.0.0.1 6817 "$(node_line "$(hostname -s)" 127.0.0.1)"
   start_munge
-  pgrep -x slurmctld >/dev/null || slurmctld
-  pgrep -x slurmd >/dev/null || slurmd
+  alive "$state/slurmctld.pid" || slurmctld
+  alive "$state/slurmd-$(hostname -s).pid" || slurmd
   wait_until_idle 1
 }
-
-stop() {
-  pkill -x slurmd || true
-  pkill -x slurmctld || true
-  pkill -x munged || true
-}
-
-alive() { [[ -s "$1" ]] && kill -0 "$(<"$1")" 2>/dev/null; }
 
 netns_nodes() {  # "K NAMESPACE ADDRESS" per node, or a clear error
   local list
@@ -132,7 +136,10 @@ start_netns() {
   list=$(netns_nodes)
   subnet=$(awk 'NR == 1 {sub(/\.[0-9]+$/, "", $3); print $3}' <<<"$list")
   ctld_addr=$subnet.254  # netns_cluster.sh gives nodes .1 to .250
-  while read -r _ ns addr; do lines+="$(node_line "$ns" "$addr")"$'\n'; done <<<"$list"
+  while read -r _ ns addr; do
+    check_socket_room "$ns"
+    lines+="$(node_line "$ns" "$addr")"$'\n'
+  done <<<"$list"
   write_conf qurl-netns "$ctld_addr" 6827 "$lines"
   ip -o addr show dev "$bridge" | grep -q " $ctld_addr/" || ip addr add "$ctld_addr/24" dev "$bridge"
   start_munge
@@ -145,7 +152,9 @@ start_netns() {
   wait_until_idle "$(wc -l <<<"$list")"
 }
 
-stop_netns() {
+# Stops this cluster's slurmd and slurmctld, by their PID files (never another cluster's); munged, which every
+# cluster on the machine shares, stays.
+stop() {
   local pid_file pid ctld_addr
   for pid_file in "$state"/slurmd-*.pid "$state"/slurmctld.pid; do
     alive "$pid_file" || continue
@@ -154,7 +163,7 @@ stop_netns() {
     for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || continue 2; sleep 0.5; done
     kill -KILL "$pid" 2>/dev/null || true  # still there after 30 s
   done
-  if [[ -f "$conf" ]]; then
+  if (( netns )) && [[ -f "$conf" ]]; then
     ctld_addr=$(sed -n 's/^SlurmctldHost=.*(\(.*\))$/\1/p' "$conf")
     ip addr del "$ctld_addr/24" dev "$bridge" 2>/dev/null || true
   fi
@@ -163,7 +172,7 @@ stop_netns() {
 
 case "$cmd" in
   start) if (( netns )); then start_netns; else start; fi ;;
-  stop) if (( netns )); then stop_netns; else stop; fi ;;
+  stop) stop ;;
   status) sinfo; squeue ;;
   *) usage ;;
 esac

@@ -28,6 +28,8 @@ def slurm():
     if started.returncode and "belongs to another Slurm cluster" in started.stderr:
         pytest.skip(started.stderr.strip())
     assert started.returncode == 0, started.stdout + started.stderr
+    yield
+    subprocess.run(["bash", str(ROOT / "launch/slurm/local_cluster.sh"), "stop"], capture_output=True, timeout=120)
 
 
 @pytest.fixture
@@ -88,3 +90,13 @@ def test_entry_point_failure_fails_the_job(sbatch, tmp_path):
     _, job_id = sbatch(_job(tmp_path, "qurl-fail", "python -c 'import sys; sys.exit(3)'"))
     fields = _wait_for(job_id)
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "3:0"
+
+
+def test_a_state_dir_too_long_for_slurmstepds_sockets_is_refused(slurm, tmp_path):
+    """slurmstepd's Unix sockets live in the state directory: a path past the kernel's 107 characters would make
+    every job fail at launch and requeue without end, so the cluster does not start there."""
+    state = tmp_path / ("s" * 90)
+    out = subprocess.run(["bash", str(ROOT / "launch/slurm/local_cluster.sh"), "start", str(state)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "too long for slurmstepd's sockets" in out.stderr, out.stderr
+    assert "use a shorter STATE_DIR" in out.stderr and not state.exists()

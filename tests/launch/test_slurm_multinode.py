@@ -5,8 +5,10 @@ on node 2, trains on node 1 and rolls out on node 2 (tiny Llama, eight short ste
 a checkpoint, requeues itself and resumes to completion. (test_slurm_job.py: the one-node job's success and failure.)"""
 import json
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -40,23 +42,28 @@ def test_a_disaggregated_job_runs_a_disaggregated_training(tmp_path):
 @pytest.fixture
 def slurm_nodes(netns_nodes, tmp_path, monkeypatch):
     """Two namespace nodes running a Slurm cluster of their own; its daemons are stopped (and then the nodes,
-    with everything the jobs left in them, taken down by netns_nodes) however the test ends."""
+    with everything the jobs left in them, taken down by netns_nodes) however the test ends. The cluster's state
+    sits in a short directory of its own: slurmstepd's sockets live there and a Unix socket's path has 107
+    characters at most (pytest-xdist's tmp_path is too long); its logs are kept in tmp_path."""
     nodes = netns_nodes(2)
-    state = tmp_path / "slurm"
+    state = Path(tempfile.mkdtemp(prefix="qurl-slurm-"))
     monkeypatch.setenv("SLURM_CONF", str(state / "slurm.conf"))  # sbatch/scontrol here, and the job's steps
     try:
         started = subprocess.run(["bash", str(CLUSTER), "start", "--netns", str(state)], env=nodes.env,
                                  capture_output=True, text=True, timeout=300)
         assert started.returncode == 0, started.stdout + started.stderr
-        yield nodes
+        yield nodes, state
     finally:
         subprocess.run(["bash", str(CLUSTER), "stop", "--netns", str(state)], env=nodes.env, capture_output=True,
                        timeout=120)
+        if (state / "log").is_dir():
+            shutil.copytree(state / "log", tmp_path / "slurm-log")
+        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.mark.slow
 def test_disaggregated_job_spans_two_slurm_nodes_and_requeues(slurm_nodes, tmp_path):
-    nodes, ckpt, run = slurm_nodes, tmp_path / "ckpt", tmp_path / "run"
+    (nodes, state), ckpt, run = slurm_nodes, tmp_path / "ckpt", tmp_path / "run"
     job = SlurmJob(nodes=2, gpus_per_node=0, cpus_per_node=2, layout="disaggregated", rollout_nodes=1,
                    config=str(ROOT / "launch/configs/cpu_demo.yaml"), overrides=[*TINY, f"logging.dir={run}"],
                    workdir=str(ROOT), venv=str(Path(sys.executable).parent.parent), job_name="qurl-2n",
@@ -65,7 +72,7 @@ def test_disaggregated_job_spans_two_slurm_nodes_and_requeues(slurm_nodes, tmp_p
     rendered = script.read_text()  # the rendered command, not one written for the test
     assert "layout=disaggregated" in rendered and f"checkpoint.dir={ckpt}" in rendered
     log = tmp_path / "logs" / f"qurl-2n-{job_id}.out"
-    text = _requeued_once_to_completion(job_id, ckpt, log)
+    text = _requeued_once_to_completion(job_id, ckpt, log, state)
     # both starts ran on the two nodes, and Ray spanned them: the worker joined the head across the link
     assert text.count(f"on {nodes.env['QURL_NETNS_PREFIX']}-[1-2] at") == 2, text
     ready = re.findall(r"\[ray\] 2/2 nodes up: (.*)", text)
@@ -84,21 +91,27 @@ def test_disaggregated_job_spans_two_slurm_nodes_and_requeues(slurm_nodes, tmp_p
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # one row a step across the requeue
 
 
-def _wait_for_checkpoint(ckpt: Path, log: Path, timeout: float = 600) -> None:
+def _wait_for_checkpoint(job_id: str, ckpt: Path, log: Path, state: Path, timeout: float = 600) -> None:
     """Until the job's run has written its first checkpoint (step 1 done and saved); fails at once if the
-    training step exited."""
+    training step exited or the job left RUNNING (a launch failure requeues it), with Slurm's word on why."""
     deadline = time.monotonic() + timeout
     while latest_checkpoint(ckpt) is None:
         text = log.read_text() if log.exists() else ""
         assert "training exited" not in text, text[-4000:]
-        assert time.monotonic() < deadline, f"no checkpoint within {timeout:.0f} s:\n" + text[-4000:]
+        fields = _job_fields(job_id)
+        running = fields.get("Restarts") == "0" and fields.get("JobState") in ("PENDING", "RUNNING")
+        if not running or time.monotonic() > deadline:
+            slurm_logs = "".join(f"\n==> {f.name}\n" + "\n".join(f.read_text().splitlines()[-15:])
+                                 for f in sorted((state / "log").glob("*.log")))
+            pytest.fail(f"no checkpoint: job {job_id} {fields.get('JobState')} ({fields.get('Reason')}), "
+                        f"restarts {fields.get('Restarts')}\n{text[-2000:]}{slurm_logs}")
         time.sleep(1)
 
 
-def _requeued_once_to_completion(job_id: str, ckpt: Path, log: Path) -> str:
+def _requeued_once_to_completion(job_id: str, ckpt: Path, log: Path, state: Path) -> str:
     """Once the run's first checkpoint is written, signal the job as Slurm does its --signal grace period before
     the time limit; the job must requeue once and complete. Returns its log."""
-    _wait_for_checkpoint(ckpt, log)
+    _wait_for_checkpoint(job_id, ckpt, log, state)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
     _release_when_requeued(job_id)
     fields = _wait_for(job_id, timeout=600)
