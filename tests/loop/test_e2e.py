@@ -170,8 +170,8 @@ def test_a_killed_engine_is_replaced_and_a_killed_trainer_ends_the_run_naming_it
     pids = json.loads((tmp_path / "logs" / "pids.json").read_text())
     assert pids["engines"][0] != pid
     deadline = time.monotonic() + 120
-    while (latest_checkpoint(tmp_path / "ckpt") is None  # step 3's checkpoint follows its metrics
-           or read_meta(latest_checkpoint(tmp_path / "ckpt"))["step"] < 3):
+    # step 3's checkpoint follows its metrics (latest_checkpoint reads every file of it: once a poll)
+    while (path := latest_checkpoint(tmp_path / "ckpt")) is None or read_meta(path)["step"] < 3:
         assert time.monotonic() < deadline and process.poll() is None
         time.sleep(0.5)
     before = len((tmp_path / "out.log").read_text())
