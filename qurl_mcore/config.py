@@ -120,6 +120,9 @@ class CheckpointConfig:
     # the trainer's state: torch_dist (Megatron's distributed checkpoint: resumable on another TP/PP/EP/DP) or
     # torch (one file per rank: resumable on the same layout only); either loads, whatever this says
     format: Literal["torch_dist", "torch"] = "torch_dist"
+    # torch_dist only: the trainer's files are written in the background (Megatron's asynchronous save) while
+    # the next step's rollout runs; the checkpoint is published once they are on disk, before that step trains
+    async_save: bool = False
     # resume a checkpoint whose model, precision or (format torch) parallel layout differs from the run's
     # (driver.RESUME_FIELDS, LAYOUT_FIELDS)
     allow_mismatch: bool = False

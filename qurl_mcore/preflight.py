@@ -102,6 +102,9 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
         if problem:
             out.problems.append(f"rollout.requant: compiled re-quantization runs torch.compile, which {problem}; "
                                 "install it or use rollout.requant=eager")
+    if cfg.checkpoint.async_save and cfg.checkpoint.format != "torch_dist":
+        out.problems.append(f"checkpoint.async_save: Megatron's asynchronous save writes the torch_dist format, not "
+                            f"{cfg.checkpoint.format!r}; use checkpoint.format=torch_dist or async_save=false")
     if r.offload is True and cfg.layout != "colocated":
         out.problems.append("rollout.offload: engines give their GPU memory to the trainer rank on the same GPU, "
                             "which only the colocated layout has; use false or auto")

@@ -178,6 +178,13 @@ def test_compiled_requant_needs_a_compiler_on_cpus(tmp_path, monkeypatch):
     assert "rollout.requant" not in _problems(tmp_path, *compiled, use_gpu=False)
 
 
+def test_a_background_save_needs_the_torch_dist_format(tmp_path):
+    assert ("checkpoint.async_save: Megatron's asynchronous save writes the torch_dist format, not 'torch'; use "
+            "checkpoint.format=torch_dist or async_save=false") in _problems(
+        tmp_path, "checkpoint.async_save=true", "checkpoint.format=torch")
+    assert "checkpoint.async_save" not in _problems(tmp_path, "checkpoint.async_save=true")
+
+
 def test_engine_memory_settings_on_gpus(tmp_path):
     """Offloading an engine needs a trainer rank on its GPU; an engine that shares one needs a mem_fraction
     (SGLang's default share would leave the trainer too little), even where the planner does not know the GPU."""

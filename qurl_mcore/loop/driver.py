@@ -89,6 +89,8 @@ class Loop:
         self.offload = cfg.offload_rollout(ray.cluster_resources().get("GPU", 0) > 0)
         self.trainers, self.rollouts, self.pg = start_actors(cfg, self.model_path, stop)
         self.engine_restarts = 0
+        self.in_flight: tuple[int, list[dict], dict] | None = None  # the checkpoint being written: step, files, meta
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
         self.groups_opened = 0  # weight broadcast groups (disaggregated layout), one more after each restart
         try:
             self.connect()
@@ -211,14 +213,34 @@ class Loop:
         path.write_text(json.dumps({"engines": self.rollouts.pids(), "trainers": self.trainers.pids()}))
 
     # -- checkpoints ----------------------------------------------------------------------------------------
-    def save(self, step: int) -> Path:
-        """Every rank writes its own files, the driver its RNG state; then the checkpoint is published."""
+    def save(self, step: int, wait: bool = False) -> Path | None:
+        """Every rank writes its own files, the driver its RNG state; then the checkpoint is published, at once
+        (returns its path) or, with checkpoint.async_save and not `wait`, by `publish` once the trainer's
+        files are written (returns None). One save is in flight at a time. A step saved already is not written
+        again (a stop right after a step's checkpoint: the grace time before a kill is short)."""
         root = self.cfg.checkpoint.dir
+        if step == self.saved_step:
+            return (self.publish() or ckpt.step_dir(root, step)) if wait else None
+        self.publish()
+        self.saved_step = step
         files = [record for rank in self.trainers.save_checkpoint(root, step) for record in rank]
         files.append(ckpt.write_file(root, step, DRIVER_FILE, {"rng": ckpt.rng_state()}))
         meta = {"format": self.cfg.checkpoint.format, "world_size": len(self.trainers), "config": to_dict(self.cfg),
                 "engine_restarts": self.engine_restarts}
-        return ckpt.finalize(root, step, files, meta, keep=self.cfg.checkpoint.keep)
+        self.in_flight = (step, files, meta)
+        return self.publish() if wait or not self.cfg.checkpoint.async_save else None
+
+    def publish(self) -> Path | None:
+        """Publish the checkpoint in flight once every trainer rank's files are written (announced on the
+        console); its path, or None when none is in flight."""
+        if self.in_flight is None:
+            return None
+        step, files, meta = self.in_flight
+        self.in_flight = None
+        files = files + [record for rank in self.trainers.finish_checkpoint() for record in rank]
+        path = ckpt.finalize(self.cfg.checkpoint.dir, step, files, meta, keep=self.cfg.checkpoint.keep)
+        say(f"checkpoint {path}")
+        return path
 
     def restore(self, path: Path | None) -> int:
         """Load checkpoint `path` (verified), if any; returns the step to continue from."""
@@ -237,6 +259,7 @@ class Loop:
     def step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
         samples, metrics = self.rollout(step)
+        self.publish()  # checkpoint.async_save: the last step's files were written during this rollout
         if self.offload:  # the trainer steps in the engines' memory; push_all gives it back
             self.recovering(self.rollouts.release_memory, f"step-{step}")
         samples, adv, adv_metrics = advantages(self.cfg, samples)
@@ -377,12 +400,13 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
             if metrics.get("train/skipped_no_signal"):
                 say(f"step {step} skipped: every prompt group had equal rewards (no learning signal)")
             if step % cfg.checkpoint.every == 0 or step == cfg.steps:
-                say(f"checkpoint {loop.save(step)}")
+                loop.save(step)
+        loop.publish()
         bar.close()
         if step == cfg.steps and cfg.checkpoint.export_hf:
             say(f"exported the trained model to {loop.trainers.export_hf(str(Path(cfg.checkpoint.dir) / 'hf'))}")
         if stop.requested and step < cfg.steps:
-            path = loop.save(step)
+            path = loop.save(step, wait=True)
             say(f"{stop.signal_name} at step {step}: checkpoint written to {path}, exiting")
     finally:
         log.close()

@@ -103,6 +103,11 @@ class TrainerGroup:
         order."""
         return self._on_every_rank("save_checkpoint", lambda t: t.save_checkpoint.remote(root, step))
 
+    def finish_checkpoint(self) -> list[list[dict[str, Any]]]:
+        """Wait until the files of the save in flight (checkpoint.async_save) are written; their records, per rank
+        in rank order (empty lists when no save is in flight)."""
+        return self._on_every_rank("finish_checkpoint", lambda t: t.finish_checkpoint.remote())
+
     def load_checkpoint(self, path: str) -> None:
         self._on_every_rank("load_checkpoint", lambda t: t.load_checkpoint.remote(path))
 

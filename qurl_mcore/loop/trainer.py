@@ -29,6 +29,7 @@ import math
 import os
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,7 +85,7 @@ class PolicyTrainer:
         if log_file:  # an actor of a run: its output (Megatron's warnings included) goes to the run's logs
             redirect_output(log_file)
         from qurl_mcore.megatron import apply_uaq, build_gpt, init_parallel, load_hf_weights
-        from qurl_mcore.megatron.dist_checkpoint import load_model
+        from qurl_mcore.megatron.dist_checkpoint import BackgroundSave, load_model
         from qurl_mcore.megatron.gpt import load_hf_config
         # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron.parallel import current_device
@@ -128,6 +129,7 @@ class PolicyTrainer:
         self.stack = build_training(self.model, lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.grad_clip,
                                     distributed_optimizer=cfg.distributed_optimizer(),
                                     overlap_grad_reduce=self.device.type == "cuda")
+        self.background_save = BackgroundSave()  # checkpoint.async_save's writes in flight
         self.ref = None
         if t.kl_coef > 0:
             self.ref = build_gpt(self.hf_dir, **build)
@@ -516,7 +518,8 @@ class PolicyTrainer:
         """Write this rank's state into step `step`'s partial checkpoint (here, not through the driver), in
         checkpoint.format: torch_dist, its slices of the training state and its random generators
         (collective over the trainer's ranks), or torch, its own file. Returns the records of the files it
-        wrote, for `checkpoint.finalize`."""
+        wrote, for `checkpoint.finalize`; with checkpoint.async_save the slices are still being written, and
+        `finish_checkpoint` returns theirs."""
         if self.cfg.checkpoint.format == "torch":
             return [ckpt.write_file(root, step, ckpt.rank_file(self.rank), self.state())]
         # Megatron-Core stays out of the driver, which imports this module (actors.py)
@@ -524,11 +527,21 @@ class PolicyTrainer:
 
         partial = ckpt.partial_dir(root, step)
         (partial / ckpt.TRAINER_DIR).mkdir(parents=True, exist_ok=True)
-        written = save({**sharded_state(self.stack), "rng": self._rng_shard()}, partial / ckpt.TRAINER_DIR)
-        records = ckpt.hash_files(partial, [f"{ckpt.TRAINER_DIR}/{name}" for name in written])
+        state = {**sharded_state(self.stack), "rng": self._rng_shard()}
+        records = []
+        if self.cfg.checkpoint.async_save:
+            self.background_save.start(state, partial / ckpt.TRAINER_DIR)
+        else:
+            records = _trainer_records(partial / ckpt.TRAINER_DIR, save(state, partial / ckpt.TRAINER_DIR))
         if self.rank == 0 and self.smoothing_scales is not None:  # alike on every rank: one copy
             records.append(ckpt.write_file(root, step, SMOOTHING_FILE, self._smoothing_state()))
         return records
+
+    def finish_checkpoint(self) -> list[dict[str, Any]]:
+        """Collective: wait until every rank's files of the save in flight (checkpoint.async_save) are
+        written; the records of this rank's ([] when no save is in flight)."""
+        directory = self.background_save.directory
+        return [] if directory is None else _trainer_records(directory, self.background_save.wait())
 
     def _rng_shard(self):
         """This rank's random generators as its slice of a per-rank object (Megatron-LM's "rng_state"): loaded
@@ -595,6 +608,11 @@ class PolicyTrainer:
 SMOOTHING_FILE = "smoothing.pt"
 #: prompts the smoothing scales are calibrated on: the first the run takes (rollout.smoothing)
 CALIBRATION_PROMPTS = 64
+
+
+def _trainer_records(directory: Path, names: list[str]) -> list[dict[str, Any]]:
+    """The checkpoint records of files `names` that Megatron wrote into `directory` (a checkpoint's trainer/)."""
+    return ckpt.hash_files(directory.parent, [f"{directory.name}/{name}" for name in names])
 
 
 def calibration_prompts(cfg: Config, tokenizer) -> list[torch.Tensor]:

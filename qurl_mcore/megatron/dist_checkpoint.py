@@ -10,6 +10,11 @@ held by several data-parallel replicas are written once, spread over the replica
 (`FullyParallelLoadStrategyWrapper`; on the CPU every rank reads its own slices, since Megatron-Core 0.16
 exchanges them through CUDA tensors: `exchange_utils._get_empty_tensor_for_exchange` allocates on "cuda").
 
+`BackgroundSave` is Megatron's asynchronous save (`checkpoint.async_save`): the rank's slices are staged in host
+memory (a device-to-host copy on GPUs), a forked process writes them while training goes on (on the CPU the fork
+itself is the snapshot: the parent's later in-place updates do not reach the child's pages), and `wait` joins it
+collectively, after which the files are complete.
+
 Layout of one checkpoint directory (Megatron's): `metadata.json` (the backend), `common.pt` (rank 0: every
 non-tensor value), `.metadata` (the global index of every slice, written by the coordinator) and
 `__<rank>_<n>.distcp` (the slices rank `<rank>` wrote).
@@ -27,6 +32,7 @@ from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
 )
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
@@ -60,12 +66,47 @@ def _dp_group():
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
+def _save_strategy() -> FullyParallelSaveStrategyWrapper:
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(BACKEND), _dp_group())
+
+
 def save(state: dict[str, Any], directory: str | Path) -> list[str]:
     """Collective over every trainer rank: write sharded state `state` into `directory` (which exists).
     Returns the names (relative to `directory`) of the files this rank wrote."""
+    dist_checkpointing.save(state, str(directory), _save_strategy())
+    return written_files(directory)
+
+
+class BackgroundSave:
+    """One rank's asynchronous saves, one at a time: `start` returns once the state is staged (its values
+    are the ones at `start`, whatever training does next); `wait` blocks until every rank's files are
+    written (collective) and returns this rank's file names, like `save`. A save that is never waited for (the
+    run failed) stays unpublished; its writer finishes on its own."""
+
+    def __init__(self):
+        self._calls = AsyncCallsQueue()
+        self.directory: Path | None = None  # where the save in flight writes
+
+    def start(self, state: dict[str, Any], directory: str | Path) -> None:
+        """Collective: begin writing `state` into `directory` (which exists)."""
+        if self.directory is not None:
+            raise RuntimeError(f"a save into {self.directory} is still in flight; wait() for it first")
+        request = dist_checkpointing.save(state, str(directory), _save_strategy(), async_sharded_save=True)
+        self._calls.schedule_async_request(request)
+        self.directory = Path(directory)
+
+    def wait(self) -> list[str]:
+        """Collective: the files of the save in flight, once written on every rank ([] if none is)."""
+        if self.directory is None:
+            return []
+        self._calls.maybe_finalize_async_calls(blocking=True)
+        directory, self.directory = self.directory, None
+        return written_files(directory)
+
+
+def written_files(directory: str | Path) -> list[str]:
+    """The names (relative to `directory`) of the files this rank's save wrote there."""
     directory = Path(directory)
-    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(BACKEND), _dp_group())
-    dist_checkpointing.save(state, str(directory), strategy)
     rank = torch.distributed.get_rank()
     mine = sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
     if rank == 0:

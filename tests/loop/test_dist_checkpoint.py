@@ -1,6 +1,7 @@
 """Trainer checkpoints in Megatron's distributed format (torch_dist): a resumed run continues the uninterrupted
 one (bitwise on the same layout; to fp32 rounding on another TP/PP/EP layout), with its random generators, the
-checksums and the fallback of every checkpoint, and a checkpoint of the per-rank format still loads."""
+checksums and the fallback of every checkpoint, also when written in the background while training goes on
+(checkpoint.async_save), and a checkpoint of the per-rank format still loads."""
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,13 @@ def _trainer(model: str, overrides: list[str], rank: int = 0, world_size: int = 
 
 def _save(trainer: PolicyTrainer, root, step: int):
     """What the driver does, from the trainer's ranks: every rank saves, rank 0 publishes."""
-    files = trainer.save_checkpoint(str(root), step)
+    return _publish(trainer, root, step, trainer.save_checkpoint(str(root), step))
+
+
+def _publish(trainer: PolicyTrainer, root, step: int, files: list[dict]):
+    """Rank 0 publishes step `step`'s checkpoint once every rank's files are written (with the records of a save
+    in flight, checkpoint.async_save)."""
+    files = files + trainer.finish_checkpoint()
     if dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, files)
@@ -49,16 +56,21 @@ def _second_step(trainer: PolicyTrainer) -> dict:
 
 @pytest.mark.slow  # three trainers, four saves (about a minute)
 def test_same_layout_continues_bitwise_with_its_random_generators_and_reads_the_per_rank_format(tmp_path):
-    trainer = _trainer("tiny-llama", [])
+    """The torch_dist checkpoint is written in the background (checkpoint.async_save) while the next step trains,
+    and published after it: it holds the state at save time."""
+    trainer = _trainer("tiny-llama", ["checkpoint.async_save=true"])
     try:
         trainer.step(workers.batch(seed=0))
         torch.manual_seed(1234)  # the generators at save time, which a fresh trainer's are not
-        dist_path = _save(trainer, tmp_path / "dist", 1)
         trainer.cfg.checkpoint.format = "torch"
         torch_path = _save(trainer, tmp_path / "torch", 1)
+        trainer.cfg.checkpoint.format = "torch_dist"
+        in_flight = trainer.save_checkpoint(str(tmp_path / "dist"), 1)
+        assert in_flight == []  # the slices' records come when they are written
         drawn = torch.rand(4)
         expected = _second_step(trainer)
-        trainer.cfg.checkpoint.format = "torch_dist"
+        dist_path = _publish(trainer, tmp_path / "dist", 1, in_flight)
+        trainer.cfg.checkpoint.async_save = False
         damaged = _save(trainer, tmp_path / "dist", 2)
     finally:
         trainer.close()
@@ -139,11 +151,13 @@ def test_model_load_names_what_it_expects():
 
 # -- another layout: saved at TP=2 after one step, the second step resumed at TP=1, PP=2 or EP=2 -----------------
 def _save_then_step(rank: int, world_size: int, model: str, overrides: list[str], root: str) -> dict:
-    trainer = _trainer(model, overrides, rank, world_size)
+    """The first step, its checkpoint written in the background while the second step trains, then published."""
+    trainer = _trainer(model, [*overrides, "checkpoint.async_save=true"], rank, world_size)
     try:
         trainer.step(workers.batch(seed=0, moe=trainer.moe))
-        path = _save(trainer, root, 1)
-        return {"path": str(path), **_second_step(trainer)}
+        in_flight = trainer.save_checkpoint(root, 1)
+        second = _second_step(trainer)
+        return {"path": str(_publish(trainer, root, 1, in_flight)), **second}
     finally:
         trainer.close()
 

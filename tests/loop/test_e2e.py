@@ -102,14 +102,16 @@ def test_dense_loop_logs_every_metric_checkpoints_and_reports(dense_run):
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(dense_run, tmp_path):
-    process = _start(tmp_path, "model.path=tiny-llama", "steps=3", *GREEDY)
+    """Both parts write their checkpoints in the background (checkpoint.async_save): the stop waits for its
+    checkpoint, the resumed run publishes each one during the next step's rollout and the last at its end."""
+    process = _start(tmp_path, "model.path=tiny-llama", "steps=3", "checkpoint.async_save=true", *GREEDY)
     _wait_for_step(tmp_path, process, 1)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=300) == 75  # EXIT_STOPPED: checkpoint written, run the same command to resume
     out = (tmp_path / "out.log").read_text()
     stopped_at, _ = _model_state(tmp_path)
     assert "SIGTERM at step" in out and stopped_at < 3, out[-3000:]
-    _train(tmp_path, "model.path=tiny-llama", "steps=3", *GREEDY)
+    _train(tmp_path, "model.path=tiny-llama", "steps=3", "checkpoint.async_save=true", *GREEDY)
     assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 3]
     step, resumed = _model_state(tmp_path)
     ref_step, reference = _model_state(dense_run)

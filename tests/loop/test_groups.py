@@ -66,7 +66,7 @@ def fake_ray(monkeypatch):
 
 ANSWERS = {"push_weights": 2.0, "push_reference": 3.0, "quantized_linears": {"model.layers.0.mlp.up_proj"},
            "step": {"loss/total": 0.5}, "open_weight_group": "10.0.0.1:2345", "export_hf": "ckpt/hf", "pid": 7,
-           "save_checkpoint": {"file": "rank.pt"}, "endpoints": [("http://10.0.0.2:30000", "key")],
+           "save_checkpoint": {"file": "rank.pt"}, "finish_checkpoint": [], "endpoints": [("http://10.0.0.2:30000", "key")],
            "reference_endpoint": ("http://127.0.0.1:30001", "key"), "pids": [11],
            "generate": ([], {"reward/mean": 1.0}), "evaluate": {"eval/accuracy": 1.0}}
 
@@ -83,6 +83,7 @@ TRAINER_CALLS = {
     "step": ((BATCH,), {}, "step"),
     "empty_cache": ((), {}, "empty_cache"),
     "save_checkpoint": (("ckpt", 3), {}, "save_checkpoint"),
+    "finish_checkpoint": ((), {}, "finish_checkpoint"),
     "load_checkpoint": (("ckpt/step_00000003",), {}, "load_checkpoint"),
     "export_hf": (("ckpt/hf",), {}, "export_hf"),
     "pids": ((), {}, "pid"),
