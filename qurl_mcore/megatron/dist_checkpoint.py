@@ -6,10 +6,9 @@ Every tensor is saved as a `ShardedTensor`: its global name and shape and where 
 take the names and slices of their parameters). Loading asks for the slices the *loading* layout holds, so a
 checkpoint written at TP=2 loads at TP=1, PP=2 or EP=2. Saving and loading are fully parallel: the slices
 held by several data-parallel replicas are written once, spread over the replicas
-(`FullyParallelSaveStrategyWrapper`), and each replica reads a part and passes it on
-(`FullyParallelLoadStrategyWrapper`): on GPUs by broadcasting each slice from a device tensor (Megatron's
-default), on the CPU by one `all_gather_object` of what each rank read (its "gather_object" exchange, since the
-others allocate on "cuda": `exchange_utils._get_empty_tensor_for_exchange`).
+(`FullyParallelSaveStrategyWrapper`), and on GPUs each replica reads a part and passes it on
+(`FullyParallelLoadStrategyWrapper`; on the CPU every rank reads its own slices, since Megatron-Core 0.16
+exchanges them through CUDA tensors: `exchange_utils._get_empty_tensor_for_exchange` allocates on "cuda").
 
 `BackgroundSave` is Megatron's asynchronous save (`checkpoint.async_save`): the rank's slices are staged in host
 memory (a device-to-host copy on GPUs), a forked process writes them while training goes on (on the CPU the fork
@@ -118,9 +117,9 @@ def written_files(directory: str | Path) -> list[str]:
 def load(state: dict[str, Any], directory: str | Path) -> dict[str, Any]:
     """Collective: the values of sharded state `state` (this rank's slices, whatever layout wrote them) read
     from `directory`."""
-    exchange = "broadcast" if torch.cuda.is_available() else "gather_object"  # the one without CUDA tensors
-    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(directory)), _dp_group(),
-                                                exchange_algo=exchange)
+    strategy = get_default_load_sharded_strategy(str(directory))
+    if torch.cuda.is_available():  # Megatron exchanges the slices read through CUDA tensors only
+        strategy = FullyParallelLoadStrategyWrapper(strategy, _dp_group())
     return dist_checkpointing.load(state, str(directory), strategy)
 
 
