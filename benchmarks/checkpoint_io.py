@@ -8,9 +8,9 @@ moments exist).
 Each measurement runs in fresh processes, the variants alternating, so a slow spell of the machine hits each
 alike. Save: `PolicyTrainer.save_checkpoint` (writing, fsync and the SHA-256 of every file; in the background,
 checkpoint.async_save, until `finish_checkpoint` returns) and `finalize` on rank 0; stall: the seconds until
-`save_checkpoint` returns and training could go on; load: `PolicyTrainer.load_checkpoint` of the published checkpoint. Memory: resident set size sampled
-every 2 ms, its peak during the call minus its value before (the process's own: a background save's forked
-writer is not counted).
+`save_checkpoint` returns and training could go on; load: `PolicyTrainer.load_checkpoint` of the published
+checkpoint. Memory: resident set size sampled every 2 ms, its peak during the call minus its value before (the
+process's own: a background save's forked writer is not counted).
 
 Usage: python benchmarks/checkpoint_io.py [--models smollm2,tiny-qwen3_moe] [--repeats 2]
 """

@@ -66,8 +66,9 @@ def fake_ray(monkeypatch):
 
 ANSWERS = {"push_weights": 2.0, "push_reference": 3.0, "quantized_linears": {"model.layers.0.mlp.up_proj"},
            "step": {"loss/total": 0.5}, "open_weight_group": "10.0.0.1:2345", "export_hf": "ckpt/hf", "pid": 7,
-           "save_checkpoint": {"file": "rank.pt"}, "finish_checkpoint": [], "endpoints": [("http://10.0.0.2:30000", "key")],
-           "reference_endpoint": ("http://127.0.0.1:30001", "key"), "pids": [11],
+           "save_checkpoint": {"file": "rank.pt"}, "finish_checkpoint": [],
+           "endpoints": [("http://10.0.0.2:30000", "key")], "reference_endpoint": ("http://127.0.0.1:30001", "key"),
+           "pids": [11],
            "generate": ([], {"reward/mean": 1.0}), "evaluate": {"eval/accuracy": 1.0}}
 
 BATCH = collate([Sample([1], [2], [-0.5], reward=1.0, group=0)], torch.tensor([1.0]), pad_id=0)
