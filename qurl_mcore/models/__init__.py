@@ -39,13 +39,19 @@ def publish(tmp: Path, out: Path, replace: bool = False) -> Path:
 
 
 def resolve_model_path(path: str) -> Path:
-    """`model.path` as an HF checkpoint directory; "smollm2" is the packaged SmolLM2-135M-Instruct and
-    "tiny-<arch>" a tiny random model (tests)."""
+    """`model.path` as an HF checkpoint directory; "smollm2" is the packaged SmolLM2-135M-Instruct,
+    "smollm2-moe" that model upcycled into a 4-expert Mixtral (models/upcycle.py) and "tiny-<arch>" a tiny
+    random model (tests)."""
     if path == "smollm2":
         # lazy: loads torch; `qurl --help` imports this package
         from qurl_mcore.models.smollm2 import hf_checkpoint
 
         return hf_checkpoint()
+    if path == "smollm2-moe":
+        # lazy: loads torch; `qurl --help` imports this package
+        from qurl_mcore.models.upcycle import smollm2_moe_checkpoint
+
+        return smollm2_moe_checkpoint()
     if path.startswith("tiny-"):
         # lazy: loads torch; `qurl --help` imports this package
         from qurl_mcore.models.tiny import tiny_checkpoint
@@ -54,6 +60,6 @@ def resolve_model_path(path: str) -> Path:
     out = Path(path)
     if not (out / "config.json").is_file():
         what = "no config.json there" if out.exists() else "no such directory"
-        raise FileNotFoundError(f"{path}: {what}; give an HF checkpoint directory, 'smollm2', or "
+        raise FileNotFoundError(f"{path}: {what}; give an HF checkpoint directory, 'smollm2', 'smollm2-moe', or "
                                 f"'tiny-<{'|'.join(ARCHITECTURES)}>'")
     return out

@@ -9,6 +9,7 @@ from qurl_mcore.megatron.gpt import build_gpt
 from qurl_mcore.models.registry import features, slots
 from qurl_mcore.models.smollm2 import hf_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint
+from qurl_mcore.models.upcycle import upcycle_checkpoint
 
 from .helpers import hf_logits, hf_model, random_ids
 
@@ -237,3 +238,18 @@ def test_yarn_that_transformers_and_megatron_scale_differently_is_refused(megatr
             "mscale": 0.707}
     with pytest.raises(NotImplementedError, match="mscale 0.707 and no mscale_all_dim"):
         build_gpt(_with_config(tmp_path, "deepseek_v3", rope_parameters=rope))
+
+
+def test_an_upcycled_llama_in_megatron_computes_the_dense_model(megatron_ws1, tmp_path):
+    """models/upcycle.py with exact copies as experts: Megatron's Mixtral (top-2 renormalised, our table) gives
+    the dense Llama's logits, and its round trip to HF is exact."""
+    dense = tiny_checkpoint("llama")
+    moe = upcycle_checkpoint(dense, tmp_path / "moe", num_experts=4, top_k=2, noise=0.0, router_std=0.5)
+    model = build_gpt(moe)
+    load_hf_weights(model, moe)
+    ids = random_ids(2, 24)
+    ours, ref = _megatron_logits(model, ids), hf_logits(dense, ids)
+    assert (ours - ref).abs().max().item() <= 2e-5 * ref.abs().max().item()
+    original = read_hf_state(moe)
+    exported = dict(kv for bucket in export_hf_weights(model, moe, dtype=torch.bfloat16) for kv in bucket)
+    assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
