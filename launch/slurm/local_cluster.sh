@@ -11,6 +11,8 @@
 #       port 6827 (the one-node cluster keeps 6817). Configured in STATE_DIR/slurm.conf: clients (sbatch,
 #       squeue, scontrol) need SLURM_CONF=STATE_DIR/slurm.conf.
 #   `stop` stops only this cluster's daemons, by the PID files in STATE_DIR; munged, which all share, stays.
+#   A STATE_DIR keeps Slurm's state across starts: a job that was running when its machine went away comes back
+#   as running and holds the node, so later jobs pend. An empty STATE_DIR starts a cluster with no jobs.
 set -euo pipefail
 usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "local_cluster.sh: $*" >&2; exit 1; }
@@ -97,6 +99,15 @@ start_munge() {
 
 alive() { [[ -s "$1" ]] && kill -0 "$(<"$1")" 2>/dev/null; }
 
+# check_port PORT: unless this STATE_DIR's slurmctld runs, nothing may listen on its port: a controller of another
+# STATE_DIR would answer in its place, with its own jobs. Checked before the configuration is written.
+check_port() {
+  alive "$state/slurmctld.pid" && return
+  if ss -Hltn "sport = :$1" | grep -q .; then
+    die "port $1 is taken (a slurmctld of another STATE_DIR?); stop that cluster (local_cluster.sh stop ITS_DIR) or its process first"
+  fi
+}
+
 wait_until_idle() {  # wait_until_idle N: every one of the N nodes idle (or running jobs)
   local up
   for _ in $(seq 60); do
@@ -116,6 +127,7 @@ wait_until_idle() {  # wait_until_idle N: every one of the N nodes idle (or runn
 start() {
   install_packages
   check_socket_room "$(hostname -s)"
+  check_port 6817
   write_conf qurl-local 127.0.0.1 6817 "$(node_line "$(hostname -s)" 127.0.0.1)"
   start_munge
   alive "$state/slurmctld.pid" || slurmctld
@@ -140,6 +152,7 @@ start_netns() {
     check_socket_room "$ns"
     lines+="$(node_line "$ns" "$addr")"$'\n'
   done <<<"$list"
+  check_port 6827
   write_conf qurl-netns "$ctld_addr" 6827 "$lines"
   ip -o addr show dev "$bridge" | grep -q " $ctld_addr/" || ip addr add "$ctld_addr/24" dev "$bridge"
   start_munge

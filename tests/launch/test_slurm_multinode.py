@@ -17,7 +17,7 @@ import pytest
 
 from qurl_mcore.checkpoint import latest_checkpoint, read_meta
 from qurl_mcore.slurm import SlurmJob, render, submit
-from tests.launch.test_slurm_job import _job_fields, _wait_for
+from tests.launch.test_slurm_job import _job_fields, _wait_for, slurm_logs
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "launch" / "slurm" / "local_cluster.sh"
@@ -101,10 +101,8 @@ def _wait_for_checkpoint(job_id: str, ckpt: Path, log: Path, state: Path, timeou
         fields = _job_fields(job_id)
         running = fields.get("Restarts") == "0" and fields.get("JobState") in ("PENDING", "RUNNING")
         if not running or time.monotonic() > deadline:
-            slurm_logs = "".join(f"\n==> {f.name}\n" + "\n".join(f.read_text().splitlines()[-15:])
-                                 for f in sorted((state / "log").glob("*.log")))
             pytest.fail(f"no checkpoint: job {job_id} {fields.get('JobState')} ({fields.get('Reason')}), "
-                        f"restarts {fields.get('Restarts')}\n{text[-2000:]}{slurm_logs}")
+                        f"restarts {fields.get('Restarts')}\n{text[-2000:]}{slurm_logs(state)}")
         time.sleep(1)
 
 
@@ -114,7 +112,7 @@ def _requeued_once_to_completion(job_id: str, ckpt: Path, log: Path, state: Path
     _wait_for_checkpoint(job_id, ckpt, log, state)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
     _release_when_requeued(job_id)
-    fields = _wait_for(job_id, timeout=600)
+    fields = _wait_for(job_id, state, timeout=600)
     text = log.read_text()
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0" and fields["Restarts"] == "1", text
     return text
