@@ -38,6 +38,9 @@ class HttpEngine(RolloutEngine):
         self.api_key = api_key
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
+    #: servers started on a port of our choosing before giving up on finding one that stays free
+    PORT_ATTEMPTS = 3
+
     @classmethod
     def launch(cls, config: EngineConfig, *, host: str = "127.0.0.1", port: int | None = None,
                api_key: str | None = None, startup_timeout: float = 300.0, timeout: float = 600.0,
@@ -46,16 +49,40 @@ class HttpEngine(RolloutEngine):
         environment, and wait until it serves. Its output goes to the end of `log_path`, which stays; by
         default to a temporary file, removed at shutdown unless the server failed.
 
+        Without `port`, one that is free is chosen; the server binds it only once its model is loaded, tens of
+        seconds later, and a port another process took meanwhile (an outgoing connection, a Ray worker) makes
+        it exit: it is started again on another, up to PORT_ATTEMPTS times.
+
         `api_key` reaches the server in a YAML file only its owner can read (never on the command line,
         where every user of the machine sees it), removed once the server has read it."""
         if api_key and api_key.startswith("-"):  # SGLang turns the file into command-line arguments
             raise ValueError("api_key must not begin with '-': SGLang's argument parser would take it for an "
                              "option and the server would not start; use e.g. secrets.token_hex(32)")
-        port = port or free_port(host)
-        if log_path:
-            log = open(log_path, "a")
-        else:
-            log = tempfile.NamedTemporaryFile("w", prefix="qurl-sglang-", suffix=".log", delete=False)
+        owns_log = not log_path
+        if owns_log:
+            with tempfile.NamedTemporaryFile("w", prefix="qurl-sglang-", suffix=".log", delete=False) as log:
+                log_path = log.name
+        attempts = 1 if port else cls.PORT_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            with open(log_path, "a") as log:  # where this attempt's output begins
+                offset = log.tell()
+            try:
+                engine = cls._start(config, host, port or free_port(host), api_key, startup_timeout, timeout, env,
+                                    log_path)
+            except RuntimeError:
+                with open(log_path, errors="replace") as log:
+                    log.seek(offset)
+                    taken = "address already in use" in log.read()
+                if attempt == attempts or not taken:
+                    raise
+                continue
+            engine.owns_log = owns_log
+            return engine
+
+    @classmethod
+    def _start(cls, config: EngineConfig, host: str, port: int, api_key: str | None, startup_timeout: float,
+               timeout: float, env: dict[str, str] | None, log_path: str) -> "HttpEngine":
+        """One server on `port`, its output appended to `log_path`, waited for until it serves."""
         secret_dir = tempfile.mkdtemp(prefix="qurl-engine-")  # mode 0700
         config_file = None
         if api_key:
@@ -64,12 +91,11 @@ class HttpEngine(RolloutEngine):
             with os.fdopen(fd, "w") as f:
                 f.write(f"api-key: {json.dumps(api_key)}\n")
         argv = [sys.executable, "-m", "sglang.launch_server", *config.server_argv(host, port, config_file)]
-        process = subprocess.Popen(argv, env={**os.environ, **config.environment(), **(env or {})}, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()  # the server holds its own descriptor
+        with open(log_path, "a") as log:  # the server holds its own descriptor
+            process = subprocess.Popen(argv, env={**os.environ, **config.environment(), **(env or {})},
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         engine = cls(config, f"http://{host}:{port}", api_key=api_key, timeout=timeout, process=process,
-                     log_path=log.name)
-        engine.owns_log = not log_path
+                     log_path=log_path)
         try:
             engine._wait_ready(startup_timeout)
         except BaseException:

@@ -8,6 +8,7 @@ import torch
 
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.rollout import EngineConfig, HttpEngine, WeightPushError
+from qurl_mcore.transfer import free_port as http_free_port
 
 pytestmark = pytest.mark.slow  # real engines, process groups or Slurm jobs: `make test`, not test-fast
 
@@ -32,6 +33,30 @@ PROTECTED = [("post", "generate"), ("get", "v1/models"), ("get", "model_info"), 
              ("post", "update_weights_from_tensor"), ("post", "update_weights_from_distributed"),
              ("post", "init_weights_update_group"), ("post", "update_weights_from_disk"),
              ("post", "begin_weight_update"), ("post", "update_weight_version"), ("post", "flush_cache")]
+
+
+def test_a_port_taken_before_the_server_binds_it_is_replaced(monkeypatch, tmp_path):
+    """The chosen port is bound only once the model is loaded: one another process took meanwhile (held here by
+    a listening socket) makes the server exit, and it is started again on another port."""
+    import socket
+
+    from qurl_mcore.rollout import http
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        ports = [held.getsockname()[1]]
+        monkeypatch.setattr(http, "free_port", lambda host: ports.pop(0) if ports else http_free_port(host))
+        config = EngineConfig(str(tiny_checkpoint("qwen3_moe")), "qurl_fp8", device="cpu", dtype="bfloat16",
+                              mem_fraction_static=0.2, max_total_tokens=4096, context_length=1024)
+        log = tmp_path / "engine.log"
+        engine = HttpEngine.launch(config, startup_timeout=240, timeout=120, log_path=str(log))
+        try:
+            assert not ports and not engine.url.endswith(f":{held.getsockname()[1]}")
+            assert requests.get(f"{engine.url}/health", timeout=30).status_code == 200
+            assert "address already in use" in log.read_text()  # the first server's exit, kept in the log
+        finally:
+            engine.shutdown()
 
 
 def test_every_endpoint_but_health_needs_the_key(server):
