@@ -16,8 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from qurl_mcore.config import Config
 from qurl_mcore.heldout import eval_examples
 from qurl_mcore.recipe import EngineRecipe
@@ -32,6 +30,13 @@ from .batch import Sample
 from .evaluation import BF16_SUFFIX, samples, sampling, score
 from .outcome import error_line
 from .tracking import redirect_output
+
+
+def _ray():
+    """Ray, imported on first use: the trainer imports this module's configs on machines without Ray."""
+    import ray
+
+    return ray
 
 
 def engine_quantization(engine: EngineRecipe | None, requant: str) -> tuple[str | None, dict[str, Any]]:
@@ -88,7 +93,7 @@ class EngineHost:
             redirect_output(log_file)
         self.log_file = log_file
         self.config = config
-        self.host = host or ray.util.get_node_ip_address()
+        self.host = host or _ray().util.get_node_ip_address()
         bind_gloo_towards(self.host)  # its server's broadcast group with the trainer (inherited by SGLang)
         self.startup_timeout = startup_timeout
         self.engine: HttpEngine | None = None
@@ -251,7 +256,7 @@ class RolloutManager:
 
     def reference_endpoint(self) -> tuple[str, str | None]:
         """(URL, API key) of the BF16 reference engine, for trainer rank 0 to push to."""
-        return ray.get(self.reference.endpoint.remote())
+        return _ray().get(self.reference.endpoint.remote())
 
     def _hosts(self, reference: bool) -> list[tuple[int, Any]]:
         """(engine number, host) of the rollout engines, or of the reference engine alone."""
@@ -259,17 +264,17 @@ class RolloutManager:
 
     def endpoints(self) -> list[tuple[str, str | None]]:
         """Every engine's (URL, API key), in engine order."""
-        return ray.get([host.endpoint.remote() for host in self.hosts])
+        return _ray().get([host.endpoint.remote() for host in self.hosts])
 
     def quantized_linears(self) -> list[set[str]]:
-        return ray.get([host.quantized_linears.remote() for host in self.hosts])
+        return _ray().get([host.quantized_linears.remote() for host in self.hosts])
 
     def _gather(self, futures: dict[int, Any]) -> list:
         """Results of the hosts' calls, in order; EngineFailure names the first engine that failed."""
         out = []
         for index, future in futures.items():
             try:
-                out.append(ray.get(future))
+                out.append(_ray().get(future))
             except Exception as err:  # noqa: BLE001 - any transport/engine error means this engine must restart
                 if isinstance(getattr(err, "cause", err), RequestRefused):  # a request's own error: no restart
                     raise getattr(err, "cause", err) from None
@@ -278,7 +283,7 @@ class RolloutManager:
 
     def restart(self, index: int) -> None:
         """Restart engine `index` (`len(hosts)`: the reference engine)."""
-        ray.get((self.hosts[index] if index < len(self.hosts) else self.reference).restart.remote())
+        _ray().get((self.hosts[index] if index < len(self.hosts) else self.reference).restart.remote())
 
     def release_memory(self, *, reference: bool = False) -> None:
         """Every engine (or the reference engine) gives back its GPU memory (EngineFailure names one that fails)."""
@@ -290,4 +295,4 @@ class RolloutManager:
         self._gather({i: host.resume_memory.remote(tags) for i, host in self._hosts(reference)})
 
     def pids(self) -> list[int]:
-        return ray.get([host.pid.remote() for host in self.hosts])
+        return _ray().get([host.pid.remote() for host in self.hosts])
