@@ -82,6 +82,25 @@ def _in_graph(x: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def quotient(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+    """a / b in fp32, rounded once (IEEE division), eagerly and under torch.compile alike.
+
+    Compiled for a GPU, inductor turns a division by a constant into a product with its rounded reciprocal, and
+    Triton's fp32 `/` is approximate (up to 2 ulp): a quantizer compiled there would pick other scales and
+    codes than eager. There the quotient is formed in fp64 (`quotient_fp64`)."""
+    if torch.compiler.is_compiling() and a.device.type != "cpu":
+        return quotient_fp64(a, b)
+    return torch.div(a, b).to(torch.float32)
+
+
+def quotient_fp64(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+    """a / b formed in fp64 and rounded once to fp32: fp32's correctly rounded quotient. The exact quotient
+    of two fp32 numbers is never an fp32 rounding boundary and, when not on one, lies at least 2^-49 (relative)
+    from the nearest; fp64's quotient, or its product with a rounded reciprocal, is within 2^-52 of exact, so
+    it rounds to the same fp32 (tests/quant/test_qtensor.py checks both against fp32 division bitwise)."""
+    return (a.to(torch.float64) / (b.to(torch.float64) if isinstance(b, torch.Tensor) else b)).to(torch.float32)
+
+
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
     """Raise a ValueError if x holds NaN or inf: quantizing those would silently poison every scale. (Skipped
     inside a compiled or captured graph, where reading the answer back would stall it.)"""
@@ -128,16 +147,16 @@ def quantize(
     elif spec.scale_encoding is ScaleEncoding.E4M3_FP32 and isinstance(gran, PerBlock):
         per_tensor = amax.reshape(x.shape[0] if batch_dims else 1, -1)
         tensor_amax = per_tensor.amax(dim=-1, keepdim=True)
-        glob = torch.where(tensor_amax > 0, tensor_amax / (spec.max_value * E4M3_MAX), 1.0)
+        glob = torch.where(tensor_amax > 0, quotient(tensor_amax, spec.max_value * E4M3_MAX), 1.0)
         glob_groups = glob.expand_as(per_tensor).reshape(amax.shape)
-        scale = (amax / spec.max_value / glob_groups).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        scale = quotient(quotient(amax, spec.max_value), glob_groups).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
         scale_dec = scale.to(torch.float32) * glob_groups
         global_scale = glob.reshape(-1) if batch_dims else glob.reshape(())
     else:
-        scale = torch.where(amax > 0, amax / spec.max_value, torch.ones_like(amax))
+        scale = torch.where(amax > 0, quotient(amax, spec.max_value), torch.ones_like(amax))
         scale_dec = scale
     positive = scale_dec > 0
-    scaled = torch.div(g, torch.where(positive, scale_dec, 1.0))
+    scaled = quotient(g, torch.where(positive, scale_dec, 1.0))
     # An NVFP4 block scale that underflowed (a tiny block next to a huge one) encodes zeros. Elsewhere a zero
     # scale means amax / max_fmt underflowed: the group's values, divided by 1, round to zero by themselves.
     if global_scale is not None:

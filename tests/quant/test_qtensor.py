@@ -5,6 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qurl_mcore.quant import WEIGHT_BLOCK, fake_quantize, quantize, residual_fake_quantize
+from qurl_mcore.quant.formats import FORMATS
+from qurl_mcore.quant.qtensor import quotient, quotient_fp64
 
 FMTS = ["int8", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]
 
@@ -132,3 +134,21 @@ def test_a_row_whose_scale_underflows_encodes_zeros(fmt):
     assert torch.equal(q.codes()[0].to(torch.float32), torch.zeros(4))
     assert torch.equal(q.dequantize()[0], torch.zeros(4))
     assert torch.equal(q.dequantize()[1:], quantize(x[1:], fmt, "channel").dequantize())
+
+
+def test_fp64_quotient_is_fp32_division_bitwise():
+    """The compiled GPU path's quotient (fp64, rounded once) equals fp32 division on every format's scale
+    divisor, also as inductor forms it there (times the divisor's fp64 reciprocal), and on tensor divisors,
+    over values across 60 binades and at fp32's extremes of mantissa."""
+    g = torch.Generator().manual_seed(0)
+    mantissa = torch.cat([torch.rand(200_000, generator=g) + 1.0, torch.tensor([1.0, 1.0 + 2**-23, 2.0 - 2**-23])])
+    a = mantissa * torch.exp2(torch.randint(-30, 30, mantissa.shape, generator=g).float())
+    divisors = {spec.max_value for spec in FORMATS.values()} | {6.0 * 448.0}
+    for d in divisors:
+        exact = a / d
+        assert torch.equal(quotient_fp64(a, d), exact), d
+        assert torch.equal((a.double() * (1.0 / d)).float(), exact), d
+    assert not torch.equal(a * (1.0 / 127.0), a / 127.0)  # what the fp32 reciprocal would have given
+    b = (torch.rand(a.shape, generator=g) + 1.0) * torch.exp2(torch.randint(-20, 20, a.shape, generator=g).float())
+    assert torch.equal(quotient_fp64(a, b), a / b)
+    assert torch.equal(quotient(a, b), a / b)  # eager: fp32 division itself
