@@ -45,8 +45,10 @@ def quantize_ratios(size: int, repeats: int, device: str = "cpu") -> tuple[float
         assert fmt in FORMATS
         eager = lambda t, fmt=fmt, gran=gran: quantize(t, fmt, gran).dequantize()  # noqa: E731
         fused = torch.compile(eager, fullgraph=True)
-        if not torch.equal(fused(x), eager(x)):
-            raise AssertionError(f"{fmt}/{gran}: the compiled path differs from eager")
+        got, want = fused(x), eager(x)
+        if not torch.equal(got, want):
+            raise AssertionError(f"{fmt}/{gran}: the compiled path differs from eager in {int((got != want).sum())} "
+                                 f"of {want.numel()} values")
         rows.append((fmt, gran, median_seconds(lambda: eager(x), repeats) / base,
                      median_seconds(lambda: fused(x), repeats) / base))
     return base, rows

@@ -1,9 +1,11 @@
 """The rollout engine's kernels on one device, as ratios measured side by side (the rollout sections of the
 GPU check, benchmarks/device_check.py; they run on the CPU too, where every quantized GEMM is emulated):
 
-  decode    Y = Q(X)·Q(W)ᵀ as an engine runs it (`quantized_linear`, W8A8: per-token X, per-channel W, the
-            GEMM `auto` picks: torch._int_mm / torch._scaled_mm on CUDA) against a bf16 linear, at decode
-            batches M and the projection shapes [in, out] of 7B and 32B models; > 1: faster than bf16
+  decode    Y = Q(X)·Q(W)ᵀ by `quantized_linear` (W8A8: per-token X, per-channel W, the GEMM `auto` picks:
+            torch._int_mm / torch._scaled_mm on CUDA; an engine on CUDA runs SGLang's fused kernels instead,
+            `sglang.kernels`, unless `kernel: emulated`) against a bf16 linear, at decode batches M and the
+            projection shapes [in, out] of 7B and 32B models, eager and (CUDA) replayed from CUDA graphs as
+            SGLang decodes; > 1: faster than bf16
   requant   re-quantizing every quantized linear of Qwen2.5-7B (what an engine does after a push: eager
             `quantize_weight` or, with `requant: compiled`, `quantize_weight_compiled`; compiling is not
             timed) against copying the same bf16 weights on the device (what the push itself does)
@@ -32,9 +34,11 @@ GRAPH_METHODS = (("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "
                  ("qurl_fp4_rc", "nvfp4"), ("qurl_fp4_rc", "mxfp4"))
 
 
-def decode_speedups(device: str, shapes=DECODE_SHAPES, batches=DECODE_BATCHES, repeats: int = 20
-                    ) -> dict[tuple[str, int, int, int], float]:
-    """{(format, M, in, out): bf16 linear time / quantized linear time} for INT8 and FP8 E4M3."""
+def decode_speedups(device: str, shapes=DECODE_SHAPES, batches=DECODE_BATCHES, repeats: int = 20, *,
+                    graphed: bool = False) -> dict[tuple[str, int, int, int], float]:
+    """{(format, M, in, out): bf16 linear time / quantized linear time} for INT8 and FP8 E4M3. `graphed`
+    (CUDA): both replayed from CUDA graphs, as SGLang runs decode, so kernel launches cost nothing: what is
+    left is the kernels' own time (the per-token quantization's small kernels and the GEMM)."""
     out = {}
     for k, n in shapes:
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
@@ -43,9 +47,11 @@ def decode_speedups(device: str, shapes=DECODE_SHAPES, batches=DECODE_BATCHES, r
             wq = quantize_weight(w, spec)
             for m in batches:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-                plain = median_seconds(lambda: torch.nn.functional.linear(x, w), repeats)
-                quant = median_seconds(lambda: quantized_linear(x, wq, None, spec), repeats)
-                out[(fmt, m, k, n)] = plain / quant
+                plain, quant = (lambda: torch.nn.functional.linear(x, w)), (lambda: quantized_linear(x, wq, None, spec))
+                if graphed:
+                    plain, quant = _captured(lambda x: torch.nn.functional.linear(x, w), x)[0].replay, \
+                        _captured(lambda x: quantized_linear(x, wq, None, spec), x)[0].replay
+                out[(fmt, m, k, n)] = median_seconds(plain, repeats) / median_seconds(quant, repeats)
     return out
 
 
@@ -139,9 +145,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     shapes = ((256, 256), (256, 688)) if args.quick else DECODE_SHAPES
-    print(f"decode: bf16 linear time / quantized linear time on {args.device}")
-    for (fmt, m, k, n), r in decode_speedups(args.device, shapes, repeats=3 if args.quick else 20).items():
-        print(f"  {fmt:<9} M={m:<4} [{k}, {n}]  x{r:.2f}")
+    for graphed in (False, True) if args.device == "cuda" else (False,):
+        print(f"decode: bf16 linear time / quantized linear time on {args.device}{' (CUDA graphs)' * graphed}")
+        for (fmt, m, k, n), r in decode_speedups(args.device, shapes, repeats=3 if args.quick else 20,
+                                                 graphed=graphed).items():
+            print(f"  {fmt:<9} M={m:<4} [{k}, {n}]  x{r:.2f}")
     linears = qwen25_7b_linears()
     if args.quick:
         linears = [(o // 16, i // 16) for o, i in linears[:7]]
