@@ -41,12 +41,14 @@ def init_parallel(
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            if world_size != 1:
-                raise RuntimeError("MASTER_PORT is not set; every rank needs the same rendezvous port")
-            os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group(comm_backend(), rank=rank, world_size=world_size)
+        if "MASTER_PORT" in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            dist.init_process_group(comm_backend(), rank=rank, world_size=world_size)
+        elif world_size != 1:
+            raise RuntimeError("MASTER_PORT is not set; every rank needs the same rendezvous port")
+        else:  # the port stays out of the environment: a child process would inherit it while this one holds it
+            dist.init_process_group(comm_backend(), init_method=f"tcp://127.0.0.1:{free_port()}", rank=rank,
+                                    world_size=1)
     if expert_tensor_parallel is None:
         expert_tensor_parallel = 1 if expert_parallel > 1 else tensor_parallel
     parallel_state.initialize_model_parallel(
