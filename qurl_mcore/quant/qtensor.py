@@ -83,13 +83,17 @@ def _in_graph(x: torch.Tensor) -> bool:
 
 
 def quotient(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
-    """a / b in fp32, rounded once (IEEE division), eagerly and under torch.compile alike.
+    """a / b in fp32, rounded once (IEEE division) on every device, eagerly and under torch.compile alike, so
+    that a GPU picks the scales and codes a CPU does.
 
-    Compiled for a GPU, inductor turns a division by a constant into a product with its rounded reciprocal, and
-    Triton's fp32 `/` is approximate (up to 2 ulp): a quantizer compiled there would pick other scales and
-    codes than eager. There the quotient is formed in fp64 (`quotient_fp64`)."""
+    On CUDA, PyTorch's eager kernel divides by a Python number as a product with its fp32 reciprocal (up to
+    1 ulp off): the divisor goes in as a tensor on a's device. Compiled for a GPU, inductor does the same to a
+    constant divisor and Triton's fp32 `/` is approximate (up to 2 ulp): there the quotient is formed in fp64
+    (`quotient_fp64`)."""
     if torch.compiler.is_compiling() and a.device.type != "cpu":
         return quotient_fp64(a, b)
+    if not isinstance(b, torch.Tensor) and a.device.type != "cpu":
+        b = torch.full((), b, dtype=torch.float32, device=a.device)
     return torch.div(a, b).to(torch.float32)
 
 
