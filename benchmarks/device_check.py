@@ -199,6 +199,19 @@ def overlap_section(length: int = 64) -> str:
             + ", ".join(f"{n:.4f}" for n in r["norms"]) + f", skipped {r['skipped']}")
 
 
+def cross_device() -> str:
+    """Whether quantize+dequantize of one 1024x1024 tensor on the GPU equals the CPU's bitwise, per case
+    (`quant_throughput.CASES`): the trainer on CPU and an engine on GPU must agree."""
+    from qurl_mcore.quant import quantize
+
+    x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    out = []
+    for fmt, gran in quant_throughput.CASES:
+        gpu, cpu = (quantize(x.to(d), fmt, gran).dequantize().cpu() for d in ("cuda", "cpu"))
+        out.append(f"{fmt}/{gran} " + ("equal" if torch.equal(gpu, cpu) else f"DIFFERS in {int((gpu != cpu).sum())}"))
+    return ", ".join(out)
+
+
 #: section -> its time budget in seconds (on the lent H200, measured with room), in the order they run
 SECTIONS = {"trainer-padded": 40, "trainer-overlap": 35, "trainer-tiny": 45, "gpu-tests": 90, "rollout-graphs": 25,
             "rollout-decode": 40, "trainer-moe": 30, "rollout-requant": 80, "trainer-1b": 110, "quant-throughput": 110}
@@ -287,7 +300,7 @@ def main() -> None:
     def throughput():
         base, rows = quant_throughput.quantize_ratios(8192, 10, "cuda")
         return f"8192^2 fp32 copy {base * 1e3:.2f} ms; eager/compiled x copy: " + ", ".join(
-            f"{fmt}/{gran} {e:.1f}/{c:.1f}" for fmt, gran, e, c in rows)
+            f"{fmt}/{gran} {e:.1f}/{c:.1f}" for fmt, gran, e, c in rows) + "; GPU vs CPU: " + cross_device()
 
     bodies = {"trainer-padded": lambda: padded_section("cuda"), "trainer-overlap": overlap_section, "trainer-tiny": tiny, "gpu-tests": gpu_tests,
               "rollout-graphs": graphs, "rollout-decode": decode, "trainer-moe": moe,
