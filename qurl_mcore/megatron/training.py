@@ -121,8 +121,20 @@ def optimizer_state(stack: TrainingStack) -> dict:
     optimizer also this rank's shard of the main weights and moments (which its state dict leaves out)."""
     subs = list(_optimizers(stack.optimizer))
     return {"state": stack.optimizer.state_dict(),
-            "shards": [sub.get_parameter_state_dp_reshardable() if hasattr(sub, "get_parameter_state_dp_reshardable")
-                       else None for sub in subs]}
+            "shards": [_unpadded(sub.get_parameter_state_dp_reshardable())
+                       if hasattr(sub, "get_parameter_state_dp_reshardable") else None for sub in subs]}
+
+
+def _unpadded(shard: dict) -> dict:
+    """A distributed optimizer's shard with each parameter's entry marked as no padding: megatron-core 0.16.1's
+    `load_parameter_state_from_dp_reshardable` reads a `padding` flag that its getter never writes (only its
+    dist-checkpoint path inserts padding entries, and flags them), so the pair alone fails with KeyError."""
+    for dtypes in (v for k, v in shard.items() if isinstance(k, int)):
+        for buckets in dtypes.values():
+            for bucket in buckets:
+                for entry in bucket:
+                    entry.setdefault("padding", False)
+    return shard
 
 
 def load_optimizer_state(stack: TrainingStack, state: dict) -> None:
