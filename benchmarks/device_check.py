@@ -299,8 +299,10 @@ def main() -> None:
 
     def throughput():
         base, rows = quant_throughput.quantize_ratios(8192, 10, "cuda")
-        return f"8192^2 fp32 copy {base * 1e3:.2f} ms; eager/compiled x copy: " + ", ".join(
-            f"{fmt}/{gran} {e:.1f}/{c:.1f}" for fmt, gran, e, c in rows) + "; GPU vs CPU: " + cross_device()
+        differ = [f"{fmt}/{gran} in {n}" for fmt, gran, _, _, n in rows if n]
+        return (f"8192^2 fp32 copy {base * 1e3:.2f} ms; eager/compiled x copy: "
+                + ", ".join(f"{fmt}/{gran} {e:.1f}/{c:.1f}" for fmt, gran, e, c, _ in rows)
+                + f"; compiled DIFFERS from eager: {', '.join(differ)}" * bool(differ) + "; GPU vs CPU: " + cross_device())
 
     bodies = {"trainer-padded": lambda: padded_section("cuda"), "trainer-overlap": overlap_section, "trainer-tiny": tiny, "gpu-tests": gpu_tests,
               "rollout-graphs": graphs, "rollout-decode": decode, "trainer-moe": moe,

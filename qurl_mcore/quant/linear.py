@@ -99,8 +99,9 @@ def _compiled_quantize_weight():
 
 
 def quantize_weight_compiled(weight: torch.Tensor, spec: QuantLinearSpec) -> QTensor:
-    """`quantize_weight` fused by torch.compile: bitwise the same QTensor in fewer passes over W. The first call
-    per spec compiles (seconds; a C++ compiler on CPU, Triton on GPU)."""
+    """`quantize_weight` fused by torch.compile: bitwise the same QTensor in fewer passes over W (on GPUs too,
+    `qtensor.quotient`; torch 2.11's inductor changes an NVFP4 block scale in about 1 of 2M: docs/megatron.md).
+    The first call per spec compiles (seconds; a C++ compiler on CPU, Triton on GPU)."""
     return _compiled_quantize_weight()(weight, spec)
 
 
