@@ -16,8 +16,7 @@ import yaml
 from qurl_mcore.compare import (band, compare, finished, format_cell, last_k_mean, parse_variant, runs_of, series,
                                 spread, summarize)
 from qurl_mcore.config import load_config, to_dict
-
-from .test_e2e import TINY
+from tests.loop.runs import TINY
 
 
 def test_series_skips_absent_and_non_finite_values():
@@ -223,7 +222,7 @@ def test_cli_refuses_a_bad_study_before_running_anything(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_two_tiny_configs_then_a_second_invocation_starts_nothing(tmp_path):
-    """The cheapest loop of tests/loop/test_e2e.py (tiny Llama), INT8 vs BF16 rollout, 2 steps, both runs at once
+    """The tiny loop of tests/loop/runs.py (tiny Llama), INT8 vs BF16 rollout, 2 steps, both runs at once
     (seed 1: each run's seed is compare's; the aggregation over seeds is derived by hand above)."""
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({"model": {"path": "tiny-llama"}, "steps": 2, "checkpoint": {"export_hf": False}}))

@@ -23,13 +23,13 @@ import pytest
 from qurl_mcore.checkpoint import latest_checkpoint
 from qurl_mcore.rollout.broadcast import _together
 from qurl_mcore.rollout.engine import WeightPushError
-from tests.loop.test_e2e import _command, _metrics
+from tests.loop import runs
 
 RESOURCES = {1: '{"qurl_train": 1}', 2: '{"qurl_rollout": 1}'}
 
 
 def _train_command(head: str, run_dir: Path, *overrides: str) -> list[str]:
-    command = _command(run_dir, "model.path=tiny-llama", "steps=2", "layout=disaggregated", *overrides)
+    command = runs.command(run_dir, "model.path=tiny-llama", "steps=2", "layout=disaggregated", *overrides)
     command[4:4] = ["--address", head]  # qurl train --address HEAD overrides...
     return command
 
@@ -59,7 +59,7 @@ def test_a_crashed_engine_node_stops_the_run_naming_it_and_the_same_command_resu
     assert f"rollout engine 0 is gone with its host on node {nodes.addr(2)}: " in out, out[-4000:]
     assert "the run stopped; resume from the last checkpoint" in out, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
-    assert [r["step"] for r in _metrics(tmp_path)] == [1]  # the crash came mid-run, in step 2
+    assert [r["step"] for r in runs.metrics(tmp_path)] == [1]  # the crash came mid-run, in step 2
 
     nodes.start_ray_node(2, RESOURCES[2], head, tmp_path)  # the node is back
     nodes.wait_for_ray(head, 2, tmp_path)
@@ -67,7 +67,7 @@ def test_a_crashed_engine_node_stops_the_run_naming_it_and_the_same_command_resu
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-4000:]
     assert "resuming at step 1" in out, out[-4000:]
-    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
+    assert [r["step"] for r in runs.metrics(tmp_path)] == [1, 2]
     print(f"the run stopped {stopped_after:.1f} s after node 2 crashed")
 
 
@@ -81,7 +81,7 @@ def test_a_link_down_during_a_broadcast_fails_the_push_in_the_timeout_and_the_st
     process = subprocess.Popen(
         nodes.command(1, *_train_command(head, tmp_path, f"rollout.broadcast_timeout_s={timeout}")),
         env=nodes.env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-    _until(lambda: _metrics(tmp_path), process, log, timeout=400)  # step 1 done: step 2's push is next
+    _until(lambda: runs.metrics(tmp_path), process, log, timeout=400)  # step 1 done: step 2's push is next
     # the push (about 25 MB, one bucket) is the first transfer to node 2 of a megabyte: cut the link in it
     counter = nodes.sent_to(2)
     start = int(counter.read_text())
@@ -101,7 +101,7 @@ def test_a_link_down_during_a_broadcast_fails_the_push_in_the_timeout_and_the_st
     assert f"no answer for {timeout:g} s (the broadcast timeout" in out, out[-4000:]
     print(f"the push failed {surfaced:.1f} s after the link went down (rollout.broadcast_timeout_s={timeout:g})")
     assert timeout - 1 < surfaced < timeout + 10
-    records = _metrics(tmp_path)
+    records = runs.metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     assert records[-1]["rollout/engine_restarts"] == 1  # the engine was restarted and step 2's push redone
 
