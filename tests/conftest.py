@@ -22,15 +22,17 @@ MACHINE_FILES = ("tests/loop/test_e2e.py", "tests/loop/test_faults_multinode.py"
 
 
 def pytest_collection_modifyitems(config, items):
-    """MACHINE_FILES first (the longest share of the suite: the other worker takes the rest meanwhile), each
-    file in one piece; a file that shares the machine but is not in MACHINE_FILES is an error."""
+    """MACHINE_FILES first (the longest unit of the suite: the other worker takes the rest meanwhile), then
+    the files with slow tests, then the fast files, whose many short units even out the two workers' ends;
+    each file in one piece. A file that shares the machine but is not in MACHINE_FILES is an error."""
     rel = {item: Path(item.path).relative_to(config.rootpath).as_posix() for item in items}
     missing = sorted({rel[item] for item in items if rel[item] not in MACHINE_FILES and (
         "netns_nodes" in item.fixturenames or item.get_closest_marker("machine"))})
     if missing:
         raise pytest.UsageError(f"{missing} share the machine (netns_nodes, or marked machine): add them to "
                                 "tests/conftest.py's MACHINE_FILES")
-    items.sort(key=lambda item: rel[item] not in MACHINE_FILES)  # stable: each file stays in one piece
+    slow = {rel[item] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (rel[item] not in MACHINE_FILES, rel[item] not in slow))  # stable: files whole
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
