@@ -103,9 +103,9 @@ def test_disaggregated_across_two_nodes_matches_the_one_node_run(dense_run, netn
     `transfer.bind_gloo_towards`.) The one-node disaggregated layout is this run with both nodes' tags on one."""
     nodes = netns_nodes(2)
     head = nodes.start_ray({1: '{"qurl_train": 1}', 2: '{"qurl_rollout": 1}'}, tmp_path)
-    command = command(tmp_path, "model.path=tiny-llama", "steps=2", "layout=disaggregated", *GREEDY)
-    command[4:4] = ["--address", head]  # qurl train --address HEAD overrides...
-    done = nodes.run(1, *command, timeout=600)
+    argv = command(tmp_path, "model.path=tiny-llama", "steps=2", "layout=disaggregated", *GREEDY)
+    argv[4:4] = ["--address", head]  # qurl train --address HEAD overrides...
+    done = nodes.run(1, *argv, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert f"weights go to the engines by gloo broadcast (group at {nodes.addr(1)}:" in out
