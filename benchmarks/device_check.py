@@ -27,6 +27,7 @@ Models are random checkpoints written here (no tokenizer, no network).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -69,8 +70,8 @@ def batch(rows: int, length: int, vocab: int):
 
 
 def step(model_path: str, rows: int, length: int, vocab: int, *overrides: str) -> dict:
-    """One trainer step (PPO loss, lr 1e-5) on this process's device: metrics, seconds, peak memory and the
-    planner's peak for the same config."""
+    """One trainer step (PPO loss, lr 1e-5) on this process's device: metrics, seconds, peak memory (above
+    what the process held before the trainer was built) and the planner's peak for the same config."""
     from qurl_mcore.config import load_config
     from qurl_mcore.loop.trainer import PolicyTrainer
     from qurl_mcore.models.registry import shape
@@ -80,6 +81,8 @@ def step(model_path: str, rows: int, length: int, vocab: int, *overrides: str) -
                              "train.lr=1e-5", f"train.micro_batch_size={min(rows, 4)}",
                              f"rollout.context_length={length}", f"rollout.max_new_tokens={length // 2}", *overrides])
     planned = trainer_bytes(shape(model_config(model_path)[0]), cfg, cuda=torch.cuda.is_available())["peak"]
+    gc.collect()  # what earlier sections left (CUDA graphs, weights in cycles) would count as this trainer's
+    held = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     trainer = PolicyTrainer(cfg, cfg.recipe())
     try:
         data = batch(rows, length, vocab)
@@ -92,7 +95,7 @@ def step(model_path: str, rows: int, length: int, vocab: int, *overrides: str) -
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+        peak = torch.cuda.max_memory_allocated() - held if torch.cuda.is_available() else 0
         return {"loss": metrics["loss/total"], "grad_norm": metrics["train/grad_norm"], "seconds": seconds,
                 "tokens_per_s": rows * length / seconds, "peak_gib": peak / 2**30, "plan_gib": planned / 2**30,
                 "params": sum(p.numel() for p in trainer.model.parameters())}
