@@ -292,7 +292,7 @@ def main() -> None:
     def decode():
         eager, graphed = (rollout_kernels.decode_speedups("cuda", graphed=g) for g in (False, True))
         return "bf16 time / quantized (eager, CUDA graphs): " + ", ".join(
-            f"{fmt} M{m} {k}x{n} x{r:.2f}/x{graphed[key]:.2f}" for key, r in eager.items() for fmt, m, k, n in [key])
+            f"{fmt} M{m} {k}x{n} x{r:.2f}/x{graphed[fmt, m, k, n]:.2f}" for (fmt, m, k, n), r in eager.items())
 
     def requant():
         linears = rollout_kernels.qwen25_7b_linears()

@@ -18,6 +18,7 @@ Usage: python benchmarks/rollout_kernels.py [--device cpu|cuda] [--quick]
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
@@ -47,10 +48,8 @@ def decode_speedups(device: str, shapes=DECODE_SHAPES, batches=DECODE_BATCHES, r
             wq = quantize_weight(w, spec)
             for m in batches:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-                plain, quant = (lambda: torch.nn.functional.linear(x, w)), (lambda: quantized_linear(x, wq, None, spec))
-                if graphed:
-                    plain, quant = _captured(lambda x: torch.nn.functional.linear(x, w), x)[0].replay, \
-                        _captured(lambda x: quantized_linear(x, wq, None, spec), x)[0].replay
+                linears = (lambda x: torch.nn.functional.linear(x, w), lambda x: quantized_linear(x, wq, None, spec))
+                plain, quant = (_captured(f, x)[0].replay if graphed else functools.partial(f, x) for f in linears)
                 out[(fmt, m, k, n)] = median_seconds(plain, repeats) / median_seconds(quant, repeats)
     return out
 
