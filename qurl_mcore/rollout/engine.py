@@ -20,6 +20,7 @@ instead: the engine joins a torch.distributed group with the trainer's rank 0 (`
 from __future__ import annotations
 
 import json
+import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -272,7 +273,9 @@ class LocalEngine(RolloutEngine):
         config.apply_environment()  # before sglang spawns its processes
         import sglang
 
+        before = _child_pids()
         self.engine = sglang.Engine(**config.engine_kwargs())
+        self._processes = sorted(_child_pids() - before)  # its scheduler(s) and detokenizer
 
     def _generate(self, input_ids, sampling, extra):
         return self.engine.generate(input_ids=input_ids, sampling_params=sampling, **extra)
@@ -289,4 +292,29 @@ class LocalEngine(RolloutEngine):
         return self.engine.get_model_info()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stop the engine and the processes it started, and no other. SGLang 0.5.23's `Engine.shutdown`
+        SIGKILLs every descendant of this process, whoever started it (a trainer's checkpoint writer, Megatron's
+        multiprocessing Manager, data loader workers): its process-tree kill is pointed at this engine's own
+        children for the duration of the call."""
+        from sglang.srt.entrypoints import engine as sglang_engine
+
+        kill_tree = sglang_engine.kill_process_tree
+
+        def kill_own(parent_pid, include_parent=True, **kw):
+            if parent_pid in (None, os.getpid()) and not include_parent:
+                for pid in self._processes:
+                    kill_tree(pid, include_parent=True, **kw)
+            else:
+                kill_tree(parent_pid, include_parent=include_parent, **kw)
+
+        sglang_engine.kill_process_tree = kill_own
+        try:
+            self.engine.shutdown()
+        finally:
+            sglang_engine.kill_process_tree = kill_tree
+
+
+def _child_pids() -> set[int]:
+    import psutil  # an SGLang dependency
+
+    return {p.pid for p in psutil.Process().children()}
