@@ -90,11 +90,13 @@ forget_head() {
 run_blocking() {
   # `ray start --block` exits when its processes die. On SIGTERM (Slurm ending the step, or `stop`) pass the
   # signal on: it stops the processes it started and no others (`ray stop` would stop every Ray node on the
-  # machine).
+  # machine). Ray (2.60) first drains the node for up to RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (30 s), for Ray
+  # Serve's replicas: a qurl node serves nothing once its step ends, and Slurm SIGKILLs what still runs KillWait
+  # (30 s by default) after the SIGTERM, so it stops at once unless that variable is set.
   local pid_path
   pid_path=$(pid_file)
   mkdir -p "$state_dir"
-  ray start "$@" --block &
+  RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0} ray start "$@" --block &
   ray_pid=$!
   echo $$ > "$pid_path"
   trap 'kill -TERM "$ray_pid" 2>/dev/null; wait "$ray_pid" || true; rm -f "$pid_path"; forget_head; exit 0' TERM INT

@@ -52,7 +52,10 @@ def test_head_wait_and_clean_shutdown(tmp_path):
         assert short.returncode != 0 and "only 1/2 nodes joined" in short.stderr
     finally:
         os.killpg(head.pid, signal.SIGTERM)  # what Slurm does when the step ends
+        stopping = time.monotonic()
         head.wait(timeout=60)
+    # well within Slurm's KillWait (30 s by default), after which whatever still runs is SIGKILLed
+    assert time.monotonic() - stopping < 15, "the head took longer than Slurm waits before SIGKILL"
     assert head.returncode == 0
     token = home / ".qurl" / "ray" / f"token-127.0.0.1-{port}"
     assert token.stat().st_mode & 0o777 == 0o600 and token.read_text() != "0123456789abcdef" * 4

@@ -47,8 +47,10 @@ def test_a_port_taken_before_the_server_binds_it_is_replaced(monkeypatch, tmp_pa
         held.listen()
         ports = [held.getsockname()[1]]
         monkeypatch.setattr(http, "free_port", lambda host: ports.pop(0) if ports else http_free_port(host))
-        config = EngineConfig(str(tiny_checkpoint("qwen3_moe")), "qurl_fp8", device="cpu", dtype="bfloat16",
-                              mem_fraction_static=0.2, max_total_tokens=4096, context_length=1024)
+        # the smallest start: a dense model, unquantized, without a tokenizer (the port is all this test is about)
+        config = EngineConfig(str(tiny_checkpoint("llama")), None, device="cpu", dtype="bfloat16",
+                              mem_fraction_static=0.2, max_total_tokens=4096, context_length=1024,
+                              extra={"skip_tokenizer_init": True})
         log = tmp_path / "engine.log"
         engine = HttpEngine.launch(config, startup_timeout=240, timeout=120, log_path=str(log))
         try:
