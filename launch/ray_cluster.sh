@@ -91,8 +91,9 @@ run_blocking() {
   # `ray start --block` exits when its processes die. On SIGTERM (Slurm ending the step, or `stop`) pass the
   # signal on: it stops the processes it started and no others (`ray stop` would stop every Ray node on the
   # machine). Ray (2.60) first drains the node for up to RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (30 s), for Ray
-  # Serve's replicas: a qurl node serves nothing once its step ends, and Slurm SIGKILLs what still runs KillWait
-  # (30 s by default) after the SIGTERM, so it stops at once unless that variable is set.
+  # Serve's replicas: a qurl node serves nothing once its step ends, Slurm stops every node of a job at once (a
+  # worker would drain towards a head that is gone, holding the nodes and delaying a requeue) and SIGKILLs what
+  # still runs KillWait (30 s by default) after the SIGTERM; so it stops at once unless that variable is set.
   local pid_path
   pid_path=$(pid_file)
   mkdir -p "$state_dir"
