@@ -161,9 +161,11 @@ def training_model(precision: str, model_path: str, *, scope: str = "experts", f
     return model.eval()
 
 
-def paired(model, generations: Sequence[Generation], replay: bool = False) -> dict[str, torch.Tensor]:
+def paired(model, generations: Sequence[Generation], replay: bool = False,
+           routing: bool = True) -> dict[str, torch.Tensor]:
     """Train and rollout values of every response token, paired by position (module docstring); with `replay`
-    the trainer's routers take the engine's experts (R3).
+    the trainer's routers take the engine's experts (R3); `routing` False: the engine did not report its
+    routing (`engine_reports_routing`), so an MoE is compared on log-probs alone.
 
     Each sequence is scored alone (batch 1, no padding), as the engine saw it.
     Returns `train_logprobs`/`rollout_logprobs` [T] and, for an MoE, `train_experts`/`rollout_experts`
@@ -174,9 +176,11 @@ def paired(model, generations: Sequence[Generation], replay: bool = False) -> di
     from .megatron.logprobs import token_logprobs
     from .megatron.replay import RoutingTaps
 
-    moe = bool(model.config.num_moe_experts)
-    if replay and not moe:
+    if replay and not model.config.num_moe_experts:
         raise ValueError("routing replay (+r3) needs an MoE; this model is dense")
+    if replay and not routing:
+        raise ValueError("routing replay (+r3) needs the engine's routing, which it did not report")
+    moe = bool(model.config.num_moe_experts) and routing
     taps = RoutingTaps(model) if moe else None
     # the engine reports every layer, the trainer its MoE layers (not a model's first dense ones): compare those
     moe_layers = [layer - 1 for layer in sorted(taps.taps)] if moe else []
@@ -300,11 +304,14 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = prompt_ids(model_path, prompts)
     generations: dict[tuple, list[Generation]] = {}
+    # a quantized engine of some MoE architectures does not report its routing: its rows leave the top-k out
+    routed = {method: moe and engine_reports_routing(model_path, method is not None)
+              for method in {PRECISIONS[split_row(name)[0]].rollout for name in names}}
     for name in names:
         key = (PRECISIONS[split_row(name)[0]].rollout, *sides[name])
         if key not in generations:
             generations[key] = rollout(key[0], model_path, ids, max_new_tokens=max_new_tokens, scope=key[1],
-                                       fmt=key[2], seed=seed, dtype=dtype, moe=moe)
+                                       fmt=key[2], seed=seed, dtype=dtype, moe=routed[key[0]])
     rows = []
     with megatron_ready():
         models = {}  # (trainer mode, scope, format) -> model
@@ -318,7 +325,7 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
                    "training": p.train + (f" ({p.train_granularity})" if p.train_granularity else "") +
                    (" + R3" if replay else ""), "scope": row_scope, "fmt": row_fmt or "bf16", "model": model_path}
             gens = generations[(p.rollout, row_scope, row_fmt)]
-            row.update(metrics(paired(models[train_key], gens, replay=replay)))
+            row.update(metrics(paired(models[train_key], gens, replay=replay, routing=routed[p.rollout])))
             rows.append(row)
         models.clear()
     return rows
