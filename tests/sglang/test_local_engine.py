@@ -4,8 +4,11 @@ from __future__ import annotations
 import multiprocessing
 
 import psutil
+import pytest
 
 from .conftest import local_engine, model_path
+
+pytestmark = pytest.mark.slow  # a real engine
 
 
 def _running(pid: int) -> bool:
