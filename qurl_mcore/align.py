@@ -292,8 +292,11 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
     names = check_precisions(precisions if precisions is not None or moe else ALIGNMENT_ROWS)
     if not moe and any(split_row(name)[1] for name in names):
         raise ValueError(f"{model_path} is a dense model: routing replay ({REPLAY}) needs an MoE; drop those rows")
-    unreported = [n for n in names if split_row(n)[1] and
-                  not engine_reports_routing(model_path, PRECISIONS[split_row(n)[0]].rollout is not None)]
+    # whether each rollout method's engine reports its routing: a quantized engine of some MoE architectures does
+    # not, so its rows leave the top-k out and cannot replay
+    routed = {method: moe and engine_reports_routing(model_path, method is not None)
+              for method in {PRECISIONS[split_row(name)[0]].rollout for name in names}}
+    unreported = [n for n in names if split_row(n)[1] and not routed[PRECISIONS[split_row(n)[0]].rollout]]
     if unreported:
         raise ValueError(f"SGLang does not report the routing of a quantized engine of {model_path}; drop the rows "
                          f"{unreported}")
@@ -304,9 +307,6 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = prompt_ids(model_path, prompts)
     generations: dict[tuple, list[Generation]] = {}
-    # a quantized engine of some MoE architectures does not report its routing: its rows leave the top-k out
-    routed = {method: moe and engine_reports_routing(model_path, method is not None)
-              for method in {PRECISIONS[split_row(name)[0]].rollout for name in names}}
     for name in names:
         key = (PRECISIONS[split_row(name)[0]].rollout, *sides[name])
         if key not in generations:
