@@ -60,6 +60,17 @@ def _codes_2d(q: QTensor) -> torch.Tensor:
     return q.codes().reshape(q.shape)
 
 
+def quantized_matmul_sum(parts: list[QTensor], b: QTensor, *, backend: str = "auto") -> torch.Tensor:
+    """Σ_i A_i · Bᵀ in fp32 (a residual-corrected operand has two parts). A kernel runs one GEMM per part and
+    sums the products; emulated, it is one GEMM, (Σ_i A_i) · Bᵀ, with the parts' values summed in fp32 and B
+    dequantized once, as the MoE experts' emulated path (`experts.experts_forward`) multiplies."""
+    if backend == "auto" and all(select_backend(a, b) == "emulated" for a in parts):
+        backend = "emulated"
+    if backend == "emulated":
+        return sum(a.dequantize(torch.float32) for a in parts) @ b.dequantize(torch.float32).t()
+    return sum(quantized_matmul(a, b, backend=backend) for a in parts)
+
+
 def quantized_matmul(a: QTensor, b: QTensor, *, backend: str = "auto", out_dtype: torch.dtype = torch.float32):
     """A · Bᵀ for quantized A [..., K] and B [N, K], in `out_dtype`."""
     if backend not in BACKENDS:

@@ -1,7 +1,7 @@
 """The quantized linear layer shared by the trainer and the rollout engine (MoEResQ's symmetric RC).
 
 With RC(t) = Q(t) + Q(t - Q(t)) and Q̃ = RC or Q as the mode says:
-  forward   Y  = Q̃_fwd(X) · Q(W)ᵀ + b           (RC(X)·Q(W)ᵀ is run as two GEMMs: Q(X)Q(W)ᵀ + Q(ΔX)Q(W)ᵀ)
+  forward   Y  = Q̃_fwd(X) · Q(W)ᵀ + b           (RC(X)·Q(W)ᵀ on a GEMM kernel is two GEMMs: Q(X)Q(W)ᵀ + Q(ΔX)Q(W)ᵀ)
   backward  dX = Q̃_bwd(dY) · Q(W)
             dW = Q̃_bwd(dY)ᵀ · Q̃_bwd(X)
             db = Σ_tokens dY
@@ -20,7 +20,7 @@ import torch
 
 from .fake import residual_quantize
 from .formats import get_format
-from .gemm import BACKENDS, quantized_matmul
+from .gemm import BACKENDS, quantized_matmul_sum
 from .granularity import GRANULARITIES, Granularity, PerBlock, PerRow, PerToken, for_format
 from .qtensor import QTensor, quantize
 
@@ -131,7 +131,7 @@ def _forward(x2: torch.Tensor, wq: QTensor, spec: QuantLinearSpec, keep_residual
     """Y = Q̃_fwd(X)·Q(W)ᵀ in fp32, plus the activation parts (with the residual if RC needs it anywhere)."""
     parts = _quantize_activation(x2, spec, spec.act_granularity, spec.rc_forward or keep_residual)
     gemm_parts = parts if spec.rc_forward else parts[:1]
-    y = sum(quantized_matmul(p, wq, backend=spec.backend) for p in gemm_parts)
+    y = quantized_matmul_sum(gemm_parts, wq, backend=spec.backend)
     return y, parts
 
 
