@@ -60,14 +60,17 @@ def _codes_2d(q: QTensor) -> torch.Tensor:
     return q.codes().reshape(q.shape)
 
 
-def quantized_matmul_sum(parts: list[QTensor], b: QTensor, *, backend: str = "auto") -> torch.Tensor:
+def quantized_matmul_sum(parts: list[QTensor], b: QTensor, *, backend: str = "auto",
+                         b_values: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_i A_i · Bᵀ in fp32 (a residual-corrected operand has two parts). A kernel runs one GEMM per part and
     sums the products; emulated, it is one GEMM, (Σ_i A_i) · Bᵀ, with the parts' values summed in fp32 and B
-    dequantized once, as the MoE experts' emulated path (`experts.experts_forward`) multiplies."""
+    dequantized once (or `b_values`, B's fp32 values where the caller has them), as the MoE experts' emulated
+    path (`experts.experts_forward`) multiplies."""
     if backend == "auto" and all(select_backend(a, b) == "emulated" for a in parts):
         backend = "emulated"
     if backend == "emulated":
-        return sum(a.dequantize(torch.float32) for a in parts) @ b.dequantize(torch.float32).t()
+        w = b.dequantize(torch.float32) if b_values is None else b_values
+        return sum(a.dequantize(torch.float32) for a in parts) @ w.t()
     return sum(quantized_matmul(a, b, backend=backend) for a in parts)
 
 

@@ -127,11 +127,13 @@ def quantize_activation(x: torch.Tensor, spec: QuantLinearSpec) -> torch.Tensor:
     return _dequantized_sum(_quantize_activation(x2, spec, spec.act_granularity, spec.rc_forward)).reshape(x.shape)
 
 
-def _forward(x2: torch.Tensor, wq: QTensor, spec: QuantLinearSpec, keep_residual: bool):
-    """Y = Q̃_fwd(X)·Q(W)ᵀ in fp32, plus the activation parts (with the residual if RC needs it anywhere)."""
+def _forward(x2: torch.Tensor, wq: QTensor, spec: QuantLinearSpec, keep_residual: bool,
+             w_values: torch.Tensor | None = None):
+    """Y = Q̃_fwd(X)·Q(W)ᵀ in fp32, plus the activation parts (with the residual if RC needs it anywhere);
+    `w_values`: Q(W)'s fp32 values if the caller has them."""
     parts = _quantize_activation(x2, spec, spec.act_granularity, spec.rc_forward or keep_residual)
     gemm_parts = parts if spec.rc_forward else parts[:1]
-    y = quantized_matmul_sum(gemm_parts, wq, backend=spec.backend)
+    y = quantized_matmul_sum(gemm_parts, wq, backend=spec.backend, b_values=w_values)
     return y, parts
 
 
@@ -165,9 +167,10 @@ class QuantLinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x2, weight)
             return torch.nn.functional.linear(x, weight, bias)
         wq = quantize_weight(weight, spec)
-        y, parts = _forward(x2, wq, spec, keep_residual=spec.rc_backward)
+        w_values = wq.dequantize(torch.float32)  # the backward's dX = Q̃(dY)·Q(W) needs them too: decoded once
+        y, parts = _forward(x2, wq, spec, keep_residual=spec.rc_backward, w_values=w_values)
         x_for_dw = _dequantized_sum(parts if spec.rc_backward else parts[:1])
-        ctx.save_for_backward(x_for_dw, wq.dequantize(torch.float32))
+        ctx.save_for_backward(x_for_dw, w_values)
         return _add_bias(y, bias).to(x.dtype).reshape(*x.shape[:-1], -1)
 
     @staticmethod
