@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from .models import ARCHITECTURES, resolve_model_path
-from .models.registry import engine_reports_routing
 from .precision import ALIGNMENT_ROWS, FP4_FORMATS, PRECISIONS, get_precision, select
 
 # torch, SGLang, transformers and Megatron-Core (and the parts of qurl_mcore that import them: rollout, rl,
@@ -161,11 +160,9 @@ def training_model(precision: str, model_path: str, *, scope: str = "experts", f
     return model.eval()
 
 
-def paired(model, generations: Sequence[Generation], replay: bool = False,
-           routing: bool = True) -> dict[str, torch.Tensor]:
+def paired(model, generations: Sequence[Generation], replay: bool = False) -> dict[str, torch.Tensor]:
     """Train and rollout values of every response token, paired by position (module docstring); with `replay`
-    the trainer's routers take the engine's experts (R3); `routing` False: the engine did not report its
-    routing (`engine_reports_routing`), so an MoE is compared on log-probs alone.
+    the trainer's routers take the engine's experts (R3).
 
     Each sequence is scored alone (batch 1, no padding), as the engine saw it.
     Returns `train_logprobs`/`rollout_logprobs` [T] and, for an MoE, `train_experts`/`rollout_experts`
@@ -176,11 +173,9 @@ def paired(model, generations: Sequence[Generation], replay: bool = False,
     from .megatron.logprobs import token_logprobs
     from .megatron.replay import RoutingTaps
 
-    if replay and not model.config.num_moe_experts:
+    moe = bool(model.config.num_moe_experts)
+    if replay and not moe:
         raise ValueError("routing replay (+r3) needs an MoE; this model is dense")
-    if replay and not routing:
-        raise ValueError("routing replay (+r3) needs the engine's routing, which it did not report")
-    moe = bool(model.config.num_moe_experts) and routing
     taps = RoutingTaps(model) if moe else None
     # the engine reports every layer, the trainer its MoE layers (not a model's first dense ones): compare those
     moe_layers = [layer - 1 for layer in sorted(taps.taps)] if moe else []
@@ -292,14 +287,6 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
     names = check_precisions(precisions if precisions is not None or moe else ALIGNMENT_ROWS)
     if not moe and any(split_row(name)[1] for name in names):
         raise ValueError(f"{model_path} is a dense model: routing replay ({REPLAY}) needs an MoE; drop those rows")
-    # whether each rollout method's engine reports its routing: a quantized engine of some MoE architectures does
-    # not, so its rows leave the top-k out and cannot replay
-    routed = {method: moe and engine_reports_routing(model_path, method is not None)
-              for method in {PRECISIONS[split_row(name)[0]].rollout for name in names}}
-    unreported = [n for n in names if split_row(n)[1] and not routed[PRECISIONS[split_row(n)[0]].rollout]]
-    if unreported:
-        raise ValueError(f"SGLang does not report the routing of a quantized engine of {model_path}; drop the rows "
-                         f"{unreported}")
     if fmt not in FP4_FORMATS:
         raise ValueError(f"fmt {fmt!r} is not an FP4 format; use one of {list(FP4_FORMATS)}")
     sides = {name: _row_format(split_row(name)[0], scope, fmt) for name in names}
@@ -311,7 +298,7 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
         key = (PRECISIONS[split_row(name)[0]].rollout, *sides[name])
         if key not in generations:
             generations[key] = rollout(key[0], model_path, ids, max_new_tokens=max_new_tokens, scope=key[1],
-                                       fmt=key[2], seed=seed, dtype=dtype, moe=routed[key[0]])
+                                       fmt=key[2], seed=seed, dtype=dtype, moe=moe)
     rows = []
     with megatron_ready():
         models = {}  # (trainer mode, scope, format) -> model
@@ -325,7 +312,7 @@ def run_alignment(precisions: Iterable[str] | None = None, model_path: str | Pat
                    "training": p.train + (f" ({p.train_granularity})" if p.train_granularity else "") +
                    (" + R3" if replay else ""), "scope": row_scope, "fmt": row_fmt or "bf16", "model": model_path}
             gens = generations[(p.rollout, row_scope, row_fmt)]
-            row.update(metrics(paired(models[train_key], gens, replay=replay, routing=routed[p.rollout])))
+            row.update(metrics(paired(models[train_key], gens, replay=replay)))
             rows.append(row)
         models.clear()
     return rows

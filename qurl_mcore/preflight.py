@@ -25,7 +25,7 @@ from .config import Config
 from .heldout import eval_examples, greedy_repeats
 from .models import ARCHITECTURES, resolve_model_path
 from .placement import placement_of, unplaceable
-from .models.registry import engine_reports_routing, features, hf_linears, num_experts
+from .models.registry import features, hf_linears, num_experts
 from .precision import METHODS, PRECISIONS, SCOPES, get_precision, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
 from .sizing import GPUS, check_fits, local_gpu, model_config
@@ -309,11 +309,6 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
     if t.routing_replay != "none" and not experts:
         out.problems.append(f"train.routing_replay: {t.routing_replay} replays MoE routing; this model is dense, "
                             "use none")
-    if t.routing_replay != "none" and experts and \
-            not engine_reports_routing(hf, cfg.resolved_precision()[0].rollout is not None):
-        out.problems.append(f"train.routing_replay: SGLang does not report the routing of a quantized "
-                            f"{hf.get('model_type')} engine; use routing_replay none, or a precision whose rollout "
-                            "is unquantized (bf16)")
     if cfg.uaq.enabled and "mla" in features(hf):  # why: qurl_mcore/models/deepseek_v3.py
         out.problems.append(f"uaq.enabled: UAQ is not exact on {hf.get('model_type')}'s multi-head latent attention "
                             "(o_proj's 1/s needs v·s, which kv_b_proj cannot give without scaling k); set "

@@ -18,7 +18,6 @@ from typing import Any
 
 from qurl_mcore.config import Config
 from qurl_mcore.heldout import eval_examples
-from qurl_mcore.models.registry import engine_reports_routing
 from qurl_mcore.recipe import EngineRecipe
 from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
 from qurl_mcore.rollout.engine import moe_shape
@@ -56,8 +55,7 @@ def new_api_key() -> str:
 
 def engine_config(cfg: Config, engine: EngineRecipe | None, model_path: str, device: str) -> EngineConfig:
     """The engine of a run computing `engine` (the run's `Recipe.engine`); an MoE's engine returns each token's
-    routed experts (routing metrics, replay) where SGLang reports them (`engine_reports_routing`: not a
-    quantized Mixtral's, whose capture stays zeros; its run logs no top-k match)."""
+    routed experts (routing metrics, replay)."""
     method, options = engine_quantization(engine, cfg.rollout.requant)
     extra: dict[str, Any] = {"tp_size": cfg.rollout.tp_size} if cfg.rollout.tp_size > 1 else {}
     if device == "cuda" and cfg.offload_rollout(cuda=True):  # torch_memory_saver's allocator (GPUs only)
@@ -65,8 +63,7 @@ def engine_config(cfg: Config, engine: EngineRecipe | None, model_path: str, dev
     return EngineConfig(str(model_path), method, options, device=device, dtype=cfg.rollout.dtype, random_seed=cfg.seed,
                         context_length=cfg.rollout.context_length, mem_fraction_static=cfg.rollout.mem_fraction or None,
                         max_total_tokens=cfg.rollout.max_total_tokens or None,
-                        return_routed_experts=moe_shape(model_path) is not None and
-                        engine_reports_routing(str(model_path), engine is not None), extra=extra)
+                        return_routed_experts=moe_shape(model_path) is not None, extra=extra)
 
 
 def reference_engine_config(cfg: Config, model_path: str, device: str) -> EngineConfig:

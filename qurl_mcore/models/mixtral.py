@@ -8,9 +8,10 @@ down). transformers 5 holds a layer's experts as two fused tensors in memory (`m
 saves (its `conversion_mapping`), so a checkpoint on disk, what the converter and SGLang read, is per expert. The
 experts' width is the config's `intermediate_size`.
 
-SGLang 0.5.23 builds a Mixtral under a quantization method it does not list for its FusedMoE Mixtral (every qurl
-method) as `QuantMixtralForCausalLM` (models/mixtral_quant.py): each expert's w1, w2, w3 is a linear of its own,
-named as the HF tensor, so the plugin quantizes expert by expert there.
+In SGLang a Mixtral's experts are one FusedMoE, `block_sparse_moe.experts`, quantized or not: SGLang 0.5.23 would
+build a Mixtral under a quantization method outside its own list (every qurl method) as `QuantMixtralForCausalLM`,
+a linear per expert projection whose routing is never captured; the plugin builds `MixtralForCausalLM` instead
+(`qurl_mcore.sglang.architecture`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,6 @@ from .qwen3_moe import routed
 from .slots import Architecture
 
 MIXTRAL = Architecture(
-    "mixtral", EMBEDDING + ATTENTION + routed("block_sparse_moe", "gate", "w1", "w3", "w2", fused=False) + FINAL,
+    "mixtral", EMBEDDING + ATTENTION + routed("block_sparse_moe", "gate", "w1", "w3", "w2") + FINAL,
     implied={"norm_topk_prob": True}, aliases={"moe_intermediate_size": "intermediate_size"},
     tiny={"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64})

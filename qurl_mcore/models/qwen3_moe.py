@@ -17,11 +17,10 @@ _L, _H = MEGATRON_LAYER, HF_LAYER
 _E = _L + "mlp.experts.local_experts.{expert}."
 
 
-def routed(block: str, router: str, gate: str, up: str, down: str, fused: bool = True) -> tuple[Slot, ...]:
+def routed(block: str, router: str, gate: str, up: str, down: str) -> tuple[Slot, ...]:
     """The router and routed SwiGLU experts of a layer whose HF MoE block is `model.layers.{layer}.<block>`, its
     router `<block>.<router>` and expert e's projections `<block>.experts.{e}.<gate|up|down>`. In SGLang the
-    layer's experts are one FusedMoE, `<block>.experts` (`fused`), or a linear per projection of each expert,
-    named as the HF tensor."""
+    layer's experts are one FusedMoE, `<block>.experts`."""
     hm = _H + block + "."
     he = hm + "experts.{expert}."
     fc1, fc2 = (he + gate, he + up), (he + down,)
@@ -29,10 +28,10 @@ def routed(block: str, router: str, gate: str, up: str, down: str, fused: bool =
         Slot(_L + "mlp.router.weight", (hm + router + ".weight",), "replicated", "router",
              lambda s: ((s.experts, s.hidden),), uaq=("router",), layers="moe"),
         Slot(_E + "linear_fc1.weight", tuple(n + ".weight" for n in fc1), "gate_up", "experts",
-             lambda s: ((s.moe_intermediate, s.hidden),) * 2, sglang=hm + "experts" if fused else fc1,
+             lambda s: ((s.moe_intermediate, s.hidden),) * 2, sglang=hm + "experts",
              uaq=("gate", "up"), layers="moe"),
         Slot(_E + "linear_fc2.weight", tuple(n + ".weight" for n in fc2), "columns", "experts",
-             lambda s: ((s.hidden, s.moe_intermediate),), sglang=hm + "experts" if fused else fc2, uaq=("down",),
+             lambda s: ((s.hidden, s.moe_intermediate),), sglang=hm + "experts", uaq=("down",),
              layers="moe"),
     )
 

@@ -2,8 +2,7 @@
 their tables (`slots.py` says what a table holds). Adding an architecture is one table file and one entry in
 `ARCHITECTURES`.
 
-Lookups by config: `architecture`, `slots`, `features`, `shape`, `num_experts`, `hf_linears`,
-`engine_reports_routing`. Lookups by name alone (a Megatron parameter, an HF tensor, an SGLang module), across
+Lookups by config: `architecture`, `slots`, `features`, `shape`, `num_experts`, `hf_linears`. Lookups by name alone (a Megatron parameter, an HF tensor, an SGLang module), across
 every registered table: `megatron_slot`, `hf_uaq_role`, `sglang_linears`; a name two tables would read
 differently is refused when the index is built.
 """
@@ -65,14 +64,6 @@ def shape(hf_config: Any) -> Shape:
 def num_experts(hf_config: Any) -> int:
     """Routed experts of a model (0: dense)."""
     return config_experts(config_dict(hf_config))
-
-
-def engine_reports_routing(hf_config: Any, quantized: bool) -> bool:
-    """Whether SGLang reports an engine's routed experts (`return_routed_experts`, for R3): its capture sits in
-    the FusedMoE models' top-k, which a quantized engine skips where the table gives each expert's projections an
-    SGLang linear of their own (Mixtral: QuantMixtralForCausalLM routes with torch.topk, and the capture stays
-    zeros)."""
-    return not (quantized and any(s.per_expert and isinstance(s.sglang, tuple) for s in slots(hf_config)))
 
 
 def hf_linears(hf_config: Any) -> dict[str, str]:

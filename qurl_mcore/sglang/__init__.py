@@ -12,10 +12,10 @@ __all__ = ["METHODS", "QurlOptions", "register"]
 
 
 def register() -> None:
-    """Add the qurl methods to SGLang's registries and its `--quantization` choices, complete the CPU engine
-    (cpu.py), give an SGLang without weight-update sessions one per update call (session.py), keep host masters
-    out of SGLang's device staging (weights.py), and bind the process's rendezvous stores to their address
-    (transfer.py). Idempotent."""
+    """Add the qurl methods to SGLang's registries and its `--quantization` choices, build a Mixtral as its
+    FusedMoE class (architecture.py), complete the CPU engine (cpu.py), give an SGLang without weight-update
+    sessions one per update call (session.py), keep host masters out of SGLang's device staging (weights.py),
+    and bind the process's rendezvous stores to their address (transfer.py). Idempotent."""
     # SGLang only when it loads the plugin: the client imports .options without SGLang
     from sglang.srt.layers import quantization as q
     from sglang.srt.server_args import QUANTIZATION_CHOICES  # where 0.5.15 (slime's image) and 0.5.23 both have it
@@ -23,9 +23,10 @@ def register() -> None:
     from qurl_mcore.transfer import bind_stores_to_their_address
 
     # these import SGLang: only once SGLang loads the plugin (the client imports .options alone)
-    from . import cpu, session, weights
+    from . import architecture, cpu, session, weights
     from .quant_config import CONFIGS
 
+    architecture.register()  # a qurl Mixtral is SGLang's FusedMoE class, whose routing is captured
     cpu.register()
     session.register()  # an SGLang without weight-update sessions (0.5.15): each update call becomes one
     weights.register()  # host masters stay on the host through SGLang's device_loading_context

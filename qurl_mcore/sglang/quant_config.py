@@ -24,6 +24,7 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from qurl_mcore.models.registry import sglang_linears
 from qurl_mcore.precision import METHODS, quantizes
 
+from .architecture import checkpoint_prefix
 from .linear import QurlLinearMethod
 from .moe import QurlFusedMoEMethod
 from .options import QUANTIZED_LOG_ENV, QurlOptions
@@ -64,7 +65,7 @@ class QurlQuantConfig(QuantizationConfig):
         return cls(QurlOptions.parse(cls.method, config))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        scope = self.options.scope
+        scope, prefix = self.options.scope, checkpoint_prefix(prefix)
         if isinstance(layer, FusedMoE):
             if not quantizes(scope, "experts"):
                 return None  # SGLang's unquantized MoE method

@@ -132,8 +132,6 @@ def test_bad_options_fail_before_any_engine_starts(tmp_path):
     with pytest.raises(ValueError, match=r"dense model: routing replay \(\+r3\) needs an MoE"):
         align.run_alignment(["fp4", "fp4+r3"], tiny_checkpoint("qwen3"))
     assert align.is_moe(str(tiny_checkpoint("mixtral")))
-    with pytest.raises(ValueError, match=r"does not report the routing.*\['fp4\+r3'\]"):
-        align.run_alignment(["bf16+r3", "fp4+r3"], tiny_checkpoint("mixtral"))
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match=r"a 'gpt2' checkpoint; use one of \['llama'"):
         align.run_alignment(["bf16"], tmp_path)

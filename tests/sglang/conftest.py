@@ -53,11 +53,15 @@ def score(engine, ids: list[int]) -> torch.Tensor:
     return torch.tensor(g.prompt_logprobs, dtype=torch.float32)
 
 
+PROJECTIONS = ("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+
+
 def noisy_layer0(original: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Layer 0's projections moved by 0.2 of their std (seeded): a push the engine must re-quantize."""
+    """Layer 0's projections (Mixtral's experts: w1, w3, w2) moved by 0.2 of their std (seeded): a push the
+    engine must re-quantize."""
     gen = torch.Generator().manual_seed(1)
     return {k: (v.float() + 0.2 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
-            if k.startswith("model.layers.0.") and k.endswith("proj.weight") else v for k, v in original.items()}
+            if k.startswith("model.layers.0.") and k.endswith(PROJECTIONS) else v for k, v in original.items()}
 
 
 def write_checkpoint(src: str, tensors: dict[str, torch.Tensor], dst) -> str:

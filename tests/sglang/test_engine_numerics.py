@@ -29,11 +29,16 @@ CASES = [
     ("qwen3_moe", "qurl_fp8", {"requant": "compiled"}),  # torch.compile'd re-quantization: the same numbers
     ("qwen3_moe", "qurl_fp4", {"fmt": "nvfp4"}),
     ("qwen3_moe", "qurl_fp4_rc", {"fmt": "mxfp4", "scope": "experts"}),
+    # SGLang would build a quantized Mixtral as QuantMixtralForCausalLM; the plugin builds its FusedMoE class
+    ("mixtral", "qurl_fp4_rc", {"fmt": "nvfp4", "scope": "all"}),
     ("smollm2", "qurl_int8", {}),
     ("smollm2", "qurl_fp8", {}),
     ("smollm2", "qurl_fp4", {"fmt": "mxfp4"}),
     ("smollm2", "qurl_fp4_rc", {"fmt": "nvfp4"}),
 ]
+
+
+MOE = ("qwen3_moe", "mixtral")
 
 
 def _id(case):
@@ -45,7 +50,7 @@ def _id(case):
 def served(request):
     model, method, options = request.param
     path = model_path(model)
-    moe = model == "qwen3_moe"
+    moe = model in MOE
     with local_engine(path, method, options, return_routed_experts=moe) as engine:
         ids = prompt_ids(path)
         greedy = engine.generate([ids], {"max_new_tokens": 8, "temperature": 0.0})[0]
@@ -83,7 +88,7 @@ def test_behaviour_logprobs_match_reference(served):
 
 
 def test_routed_experts_match_reference_router(served):
-    if served["model"] != "qwen3_moe":
+    if served["model"] not in MOE:
         pytest.skip("dense model: no experts")
     seq = served["seq"]
     g = served["engine"].generate([seq], {"max_new_tokens": 1, "temperature": 0.0}, routed_experts=True)[0]

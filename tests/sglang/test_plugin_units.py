@@ -12,6 +12,7 @@ from qurl_mcore.quant import PerBlock, make_spec, quantize_weight, quantized_lin
 from qurl_mcore.recipe import engine_recipe, resolve
 from qurl_mcore.sglang import METHODS, QurlOptions, register
 from qurl_mcore.sglang import weights
+from qurl_mcore.sglang.architecture import checkpoint_prefix, fused_moe_class
 from tests.conftest import requires_cuda
 
 
@@ -54,9 +55,9 @@ def test_registered_through_the_entry_point():
 SGLANG_MODULES = {
     "qwen3_moe": {"self_attn.qkv_proj": "attention", "self_attn.o_proj": "attention", "mlp.gate": None,
                   "mlp.experts": "experts"},
-    # a quantized Mixtral is QuantMixtralForCausalLM (models/mixtral_quant.py): a linear per expert projection
+    # SGLang's MixtralModel names its layers "layers.{i}", without the "model." of its checkpoint
     "mixtral": {"self_attn.qkv_proj": "attention", "self_attn.o_proj": "attention", "block_sparse_moe.gate": None,
-                **{f"block_sparse_moe.experts.{e}.w{i}": "experts" for e in range(4) for i in (1, 2, 3)}},
+                "block_sparse_moe.experts": "experts"},
     "qwen2_moe": {"self_attn.qkv_proj": "attention", "self_attn.o_proj": "attention", "mlp.gate": None,
                   "mlp.experts": "experts", "mlp.shared_expert.gate_up_proj": "shared_experts",
                   "mlp.shared_expert.down_proj": "shared_experts", "mlp.shared_expert_gate": None},
@@ -78,10 +79,29 @@ def test_the_plugin_selects_every_linear_of_the_table_by_its_sglang_module(arch)
     selected: dict[str, str] = {}
     for layer, modules in enumerate(SGLANG_LAYER_MODULES.get(arch) or (SGLANG_MODULES[arch],) * 2):
         for module, group in modules.items():
-            found = sglang_linears(f"model.layers.{layer}.{module}", num_experts(path))
+            prefix = f"layers.{layer}.{module}" if arch == "mixtral" else f"model.layers.{layer}.{module}"
+            found = sglang_linears(checkpoint_prefix(prefix), num_experts(path))
             assert (found and found[0]) == group, module
             selected.update(dict.fromkeys(found[1] if found else [], group))
     assert selected == hf_linears(path)  # every linear a scope can quantize, under the checkpoint's names
+
+
+def test_a_qurl_mixtral_is_built_as_sglangs_fused_moe_class():
+    """SGLang builds a Mixtral under a method outside its list as QuantMixtralForCausalLM (no routing capture);
+    under a qurl method the plugin's hook on `get_model_architecture` builds MixtralForCausalLM. Others keep
+    SGLang's choice."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    register()
+    built = {}
+    for quantization in ("qurl_fp4_rc", "awq", None):
+        config = ModelConfig(str(tiny_checkpoint("mixtral")), quantization=quantization)
+        chosen = get_model_architecture(config)  # SGLang's own choice: hooks apply only in SGLang's processes
+        _, built[quantization] = fused_moe_class(chosen, config) or chosen
+        assert config._resolved_model_arch == built[quantization]
+    assert built == {"qurl_fp4_rc": "MixtralForCausalLM", "awq": "QuantMixtralForCausalLM",
+                     None: "MixtralForCausalLM"}
 
 
 def test_requant_picks_the_quantizer_of_linears_and_experts():
