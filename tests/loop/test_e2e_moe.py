@@ -39,11 +39,23 @@ def test_mixtral_loop(tmp_path, precision, uaq, replay):
 @pytest.mark.slow
 def test_glm4_moe_loop(tmp_path):
     """Two steps on tiny-glm4_moe (a dense first layer, then a sigmoid router with an expert bias and a shared
-    expert): FP4 RC experts on both sides with the engine's routing replayed (R3). tiny-deepseek_v3's loop cannot
-    run: SGLang 0.5.23's CPU engine cannot run MLA's attention without AMX (docs/models.md); its trainer,
-    converter and router replay are tested in tests/megatron."""
+    expert): FP4 RC experts on both sides with the engine's routing replayed (R3)."""
     train(tmp_path, "model.path=tiny-glm4_moe", "steps=2", "precision=fp4_rc", "scope=experts",
            "uaq.enabled=false", "train.routing_replay=r3")
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["train/skipped_nonfinite"] == 0 and r["mismatch/prob_pearson"] > 0.9 for r in records)
+    assert all(0.5 < r["mismatch/topk_match"] <= r["mismatch/topk_overlap"] <= 1 for r in records)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_loop(tmp_path):
+    """Two steps on tiny-deepseek_v3 (MLA, a dense first layer, shared expert, group-limited sigmoid routing):
+    the 8-bit rollout of the shipped DeepSeek-V3 config (INT8 W8A8 engine, no UAQ: refused on MLA), the engine's
+    routing replayed in the trainer (R3). Its engine runs MLA's absorbed path on the torch-native backend
+    (qurl_mcore/sglang/cpu.py)."""
+    train(tmp_path, "model.path=tiny-deepseek_v3", "steps=2", "precision=int8", "uaq.enabled=false",
+          "train.routing_replay=r3")
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["train/skipped_nonfinite"] == 0 and r["mismatch/prob_pearson"] > 0.9 for r in records)

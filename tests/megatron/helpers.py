@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -27,11 +29,12 @@ def hf_logprobs(path, ids: torch.Tensor) -> torch.Tensor:
 
 
 def hf_routes(path, ids: torch.Tensor) -> torch.Tensor:
-    """[layers, b, s, k] expert ids HF's Qwen3-MoE router picks, by descending probability."""
+    """[MoE layers, b, s, k] expert ids HF's routers pick (Qwen3-MoE's by descending probability; DeepSeek-V3's
+    by descending biased score), for the layers with a router only."""
     model = hf_model(path)
     routes = []
     hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out: routes.append(out[2]))
-             for layer in model.model.layers]
+             for layer in model.model.layers if hasattr(layer.mlp, "gate")]
     try:
         hf_logits(path, ids)
     finally:
@@ -42,3 +45,21 @@ def hf_routes(path, ids: torch.Tensor) -> torch.Tensor:
 
 def random_ids(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, TOKENS, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def expert_biased_deepseek_v3(dst: Path) -> Path:
+    """A copy of tiny-deepseek_v3 whose MoE layer has an e_score_correction_bias (a permutation of
+    linspace(-0.5, 0.5, 8)) large enough to change which experts and expert groups are picked; the tiny
+    checkpoint's own bias is zero."""
+    from safetensors.torch import load_file, save_file
+
+    from qurl_mcore.models.tiny import tiny_checkpoint
+
+    path = Path(shutil.copytree(tiny_checkpoint("deepseek_v3"), dst))
+    state = load_file(path / "model.safetensors")
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(state[name], torch.zeros(8, dtype=state[name].dtype))
+    state[name] = (torch.linspace(-0.5, 0.5, 8)[torch.randperm(8, generator=torch.Generator().manual_seed(0))]
+                   .to(state[name].dtype))
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path

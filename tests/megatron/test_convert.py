@@ -11,7 +11,7 @@ from qurl_mcore.models.smollm2 import hf_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.models.upcycle import upcycle_checkpoint
 
-from .helpers import hf_logits, hf_model, random_ids
+from .helpers import expert_biased_deepseek_v3, hf_logits, hf_model, random_ids
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"]
 
@@ -194,17 +194,11 @@ def test_a_rank_reads_only_its_slices_and_gets_its_shard(arch):
 def test_deepseek_v3_expert_bias_and_group_routing_equal_hf_transformers(megatron_ws1, tmp_path):
     """tiny-deepseek_v3 with a random e_score_correction_bias large enough to change which experts (and expert
     groups) are picked: Megatron's sigmoid router with expert bias and group-limited top-k gives HF's logits."""
-    import shutil
+    from safetensors.torch import load_file
 
-    from safetensors.torch import load_file, save_file
-
-    path = shutil.copytree(tiny_checkpoint("deepseek_v3"), tmp_path / "biased")
-    state = load_file(path / "model.safetensors")
+    path = expert_biased_deepseek_v3(tmp_path / "biased")
     name = "model.layers.1.mlp.gate.e_score_correction_bias"
-    assert torch.equal(state[name], torch.zeros(8, dtype=state[name].dtype))
-    state[name] = (torch.linspace(-0.5, 0.5, 8)[torch.randperm(8, generator=torch.Generator().manual_seed(0))]
-                   .to(state[name].dtype))
-    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    state = load_file(path / "model.safetensors")
     ids = random_ids(2, 24)
     biased, plain = hf_logits(path, ids), hf_logits(tiny_checkpoint("deepseek_v3"), ids)
     assert (biased - plain).abs().max() > 1e-3  # the bias moves the routing
