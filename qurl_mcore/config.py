@@ -46,7 +46,8 @@ class DataConfig:
     system_prompt: str = ""  # prepended to every prompt when set
     prompts_per_step: int = 8
     num_prompts: int = 512  # size of the generated set for task "addition"
-    max_operand: int = 9  # task "addition": operands 0..max_operand
+    min_operand: int = 0  # task "addition": operands min_operand..max_operand (tasks/synthetic.py on 0)
+    max_operand: int = 9
 
 
 @dataclass
@@ -237,7 +238,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "rollout.push_bucket_mb", "train.tp_size", "train.ep_size", "train.dp_size", "train.pp_size",
         "train.mini_batches", "checkpoint.every", "checkpoint.keep", "steps", "eval.num_prompts", "eval.n")},
     **{name: _NON_NEGATIVE for name in (
-        "rollout.max_total_tokens", "rollout.restart_attempts", "train.threads", "eval.every")},
+        "data.min_operand", "rollout.max_total_tokens", "rollout.restart_attempts", "train.threads", "eval.every")},
     "train.micro_batch_size": _within(1, 65536),
     "rollout.temperature": _within(0, 10),
     "eval.temperature": _within(0, 10),

@@ -21,7 +21,8 @@ def eval_examples(cfg: Config, train: list[Example]) -> list[Example]:
         raise ValueError(f"eval.data: task {d.task!r} has no generated held-out split; give held-out prompts in "
                          "a file of their own")
     try:
-        return held_out_additions(e.num_prompts, train, seed=cfg.seed, max_operand=d.max_operand)
+        return held_out_additions(e.num_prompts, train, seed=cfg.seed, min_operand=d.min_operand,
+                                  max_operand=d.max_operand)
     except ValueError as err:
         raise ValueError(f"eval.num_prompts: {err}") from None
 

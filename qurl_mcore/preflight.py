@@ -138,8 +138,8 @@ def _eval_rules(cfg: Config, out: Preflight) -> None:
                             "from trainer rank 0 beside it, which only layout=colocated has; use "
                             "eval.bf16_reference=false (eval/accuracy alone), or layout=colocated")
     try:  # the rows the run reads, or the split it generates
-        train = [] if e.data or d.task != "addition" else addition_examples(d.num_prompts, seed=cfg.seed,
-                                                                               max_operand=d.max_operand)
+        train = [] if e.data or d.task != "addition" else addition_examples(
+            d.num_prompts, seed=cfg.seed, min_operand=d.min_operand, max_operand=d.max_operand)
         held_out = eval_examples(cfg, train)
     except ValueError as err:
         out.problems.append(str(err))

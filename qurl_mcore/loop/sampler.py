@@ -167,7 +167,7 @@ def prompt_indices(num_examples: int, step: int, per_step: int, seed: int) -> li
 def load_prompt_set(cfg: Config) -> list[Example]:
     d = cfg.data
     if d.task == "addition":
-        return addition_examples(d.num_prompts, seed=cfg.seed, max_operand=d.max_operand)
+        return addition_examples(d.num_prompts, seed=cfg.seed, min_operand=d.min_operand, max_operand=d.max_operand)
     return load_examples(d.path, prompt_key=d.prompt_key, answer_key=d.answer_key)
 
 

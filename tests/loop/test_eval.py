@@ -57,21 +57,38 @@ def _question(ex) -> str:
     return ex.messages[-1]["content"]
 
 
-@pytest.mark.parametrize("num_train,max_operand,seed", [(64, 9, 0), (96, 9, 3), (30, 5, 1), (500, 30, 2)])
-def test_the_held_out_split_is_disjoint_from_the_training_prompts(num_train, max_operand, seed):
-    train = addition_examples(num_train, seed=seed, max_operand=max_operand)
+@pytest.mark.parametrize("num_train,min_operand,max_operand,seed",
+                         [(64, 0, 9, 0), (96, 0, 9, 3), (30, 0, 5, 1), (500, 0, 30, 2), (48, 1, 9, 0), (20, 3, 7, 4)])
+def test_the_held_out_split_is_disjoint_from_the_training_prompts(num_train, min_operand, max_operand, seed):
+    operands = {"min_operand": min_operand, "max_operand": max_operand}
+    train = addition_examples(num_train, seed=seed, **operands)
     seen = {_question(ex) for ex in train}
-    unseen = (max_operand + 1) ** 2 - len(seen)
-    held = held_out_additions(unseen, train, seed=seed, max_operand=max_operand)  # every unseen one exists
+    total = (max_operand - min_operand + 1) ** 2
+    unseen = total - len(seen)
+    held = held_out_additions(unseen, train, seed=seed, **operands)  # every unseen one exists
     assert len({_question(ex) for ex in held}) == len(held) == unseen
     assert not {_question(ex) for ex in held} & seen
-    for ex in held:  # the training prompts' form, operand range and answer
+    for ex in [*train, *held]:  # the form, operand range and answer
         a, b = map(int, re.fullmatch(r"What is (\d+) \+ (\d+)\? Reply with just the number\.", _question(ex)).groups())
-        assert max(a, b) <= max_operand and ex.answer == str(a + b)
-    assert held_out_additions(5, train, seed=seed, max_operand=max_operand) == \
-        held_out_additions(5, train, seed=seed, max_operand=max_operand)
-    with pytest.raises(ValueError, match=f"only {unseen} of the {(max_operand + 1) ** 2} additions"):
-        held_out_additions(unseen + 1, train, seed=seed, max_operand=max_operand)
+        assert min_operand <= min(a, b) and max(a, b) <= max_operand and ex.answer == str(a + b)
+    assert held_out_additions(5, train, seed=seed, **operands) == held_out_additions(5, train, seed=seed, **operands)
+    with pytest.raises(ValueError, match=f"only {unseen} of the {total} additions with operands {min_operand}..{max_operand}"):
+        held_out_additions(unseen + 1, train, seed=seed, **operands)
+
+
+def test_the_default_operands_are_unchanged_by_the_range_option():
+    """min_operand 0 (the default) draws the prompts it drew before the option existed: the studies' records
+    stay reproducible."""
+    assert addition_examples(64, seed=0) == addition_examples(64, seed=0, min_operand=0, max_operand=9)
+    assert [_question(ex) for ex in addition_examples(3, seed=0)] == [
+        "What is 6 + 6? Reply with just the number.", "What is 0 + 4? Reply with just the number.",
+        "What is 8 + 7? Reply with just the number."]
+
+
+@pytest.mark.parametrize("lo,hi", [(-1, 9), (5, 5), (9, 3)])
+def test_an_empty_or_negative_operand_range_is_refused(lo, hi):
+    with pytest.raises(ValueError, match="0 <= data.min_operand < data.max_operand"):
+        addition_examples(8, min_operand=lo, max_operand=hi)
 
 
 def test_eval_examples_from_a_file_or_the_generated_split(tmp_path):
