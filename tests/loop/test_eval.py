@@ -72,7 +72,7 @@ def test_the_held_out_split_is_disjoint_from_the_training_prompts(num_train, min
         a, b = map(int, re.fullmatch(r"What is (\d+) \+ (\d+)\? Reply with just the number\.", _question(ex)).groups())
         assert min_operand <= min(a, b) and max(a, b) <= max_operand and ex.answer == str(a + b)
     assert held_out_additions(5, train, seed=seed, **operands) == held_out_additions(5, train, seed=seed, **operands)
-    with pytest.raises(ValueError, match=f"only {unseen} of the {total} additions with operands {min_operand}..{max_operand}"):
+    with pytest.raises(ValueError, match=f"only {unseen} of the {total} additions with operands {min_operand}\\.\\."):
         held_out_additions(unseen + 1, train, seed=seed, **operands)
 
 

@@ -8,6 +8,9 @@ from pathlib import Path
 import torch
 
 TOKENS = 49152
+#: Llama 3.1's RoPE scaling, as its config.json gives it
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @functools.lru_cache(maxsize=8)
@@ -45,6 +48,18 @@ def hf_routes(path, ids: torch.Tensor) -> torch.Tensor:
 
 def random_ids(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, TOKENS, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def with_config(dst: Path, arch: str, **fields) -> Path:
+    """A copy of tiny-`arch` at `dst` with config.json fields replaced (the same weights)."""
+    import json
+
+    from qurl_mcore.models.tiny import tiny_checkpoint
+
+    path = Path(shutil.copytree(tiny_checkpoint(arch), dst))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **fields}))
+    return path
 
 
 def expert_biased_deepseek_v3(dst: Path) -> Path:

@@ -11,7 +11,7 @@ from qurl_mcore.models.smollm2 import hf_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.models.upcycle import upcycle_checkpoint
 
-from .helpers import expert_biased_deepseek_v3, hf_logits, hf_model, random_ids
+from .helpers import LLAMA3_ROPE, expert_biased_deepseek_v3, hf_logits, hf_model, random_ids, with_config
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"]
 
@@ -51,23 +51,8 @@ def test_megatron_logits_equal_hf_transformers(arch, megatron_ws1):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def _with_config(tmp_path, arch: str, **fields):
-    """tiny-`arch` with config.json fields replaced (same weights)."""
-    import json
-    import shutil
-
-    path = shutil.copytree(tiny_checkpoint(arch), tmp_path / f"{arch}-changed")
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, **fields}))
-    return path
-
-
 def test_llama3_rope_scaling_equals_hf_transformers(megatron_ws1, tmp_path):
-    path = _with_config(tmp_path, "llama", rope_parameters=LLAMA3_ROPE)
+    path = with_config(tmp_path / "changed", "llama", rope_parameters=LLAMA3_ROPE)
     model = build_gpt(path)
     load_hf_weights(model, path)
     hf_inv_freq = hf_model(path).model.rotary_emb.inv_freq
@@ -84,7 +69,7 @@ def test_llama3_rope_scaling_equals_hf_transformers(megatron_ws1, tmp_path):
                                         ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}, "'yarn'")])
 def test_rope_megatron_cannot_express_is_refused(megatron_ws1, tmp_path, rope, error):
     with pytest.raises(NotImplementedError, match=error):
-        build_gpt(_with_config(tmp_path, "llama", rope_parameters=rope))
+        build_gpt(with_config(tmp_path / "changed", "llama", rope_parameters=rope))
 
 
 def test_sliding_window_attention_is_refused(megatron_ws1):
@@ -216,7 +201,8 @@ def test_deepseek_v3_yarn_rope_equals_hf_transformers_and_differs_from_plain_rop
     plain RoPE give other logits (YaRN is exercised), also equal between the two."""
     ids = random_ids(2, 100)
     yarn = tiny_checkpoint("deepseek_v3")
-    plain = _with_config(tmp_path, "deepseek_v3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    plain = with_config(tmp_path / "changed", "deepseek_v3",
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     refs = {}
     for name, path in (("yarn", yarn), ("plain", plain)):
         model = build_gpt(path)
@@ -231,7 +217,7 @@ def test_yarn_that_transformers_and_megatron_scale_differently_is_refused(megatr
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "original_max_position_embeddings": 64,
             "mscale": 0.707}
     with pytest.raises(NotImplementedError, match="mscale 0.707 and no mscale_all_dim"):
-        build_gpt(_with_config(tmp_path, "deepseek_v3", rope_parameters=rope))
+        build_gpt(with_config(tmp_path / "changed", "deepseek_v3", rope_parameters=rope))
 
 
 def test_an_upcycled_llama_in_megatron_computes_the_dense_model(megatron_ws1, tmp_path):
