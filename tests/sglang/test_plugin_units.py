@@ -225,3 +225,25 @@ def test_the_session_shim_stays_off_where_sglang_has_sessions():
     register()
     assert session.sglang_has_sessions()
     assert not [t for t in HookRegistry._hooks if t.startswith(session.RUNNER)]
+
+
+def test_qwen2_moe_shared_gate_on_host_tensors():
+    """The CPU stand-in for SGLang's fused Triton gate: final += sigmoid(x·w_gate)·shared, in place, against the
+    same sum in float64; a tensor on another device goes to SGLang's kernel, untouched by the stand-in."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from qurl_mcore.sglang import cpu, register
+
+    register()
+    assert any(h is cpu._shared_gate_on_host for _, h, _ in HookRegistry._hooks[cpu.SHARED_GATE])
+    gen = torch.Generator().manual_seed(0)
+    x, shared, final = (torch.randn(5, 16, generator=gen, dtype=torch.bfloat16) for _ in range(3))
+    w = torch.randn(16, generator=gen, dtype=torch.bfloat16)
+    want = final.double() + torch.sigmoid(x.double() @ w.double())[:, None] * shared.double()
+    out = final.clone()
+    assert cpu._shared_gate_on_host(None, x, w, shared, out) is None
+    torch.testing.assert_close(out, want.to(torch.bfloat16), rtol=2 ** -7, atol=0)  # one bf16 ulp: fp32, rounded once
+    calls = []
+    meta = [t.to("meta") for t in (x, w, shared, final)]
+    cpu._shared_gate_on_host(lambda *args: calls.append(args), *meta)
+    assert len(calls) == 1 and all(a is b for a, b in zip(calls[0], meta))
