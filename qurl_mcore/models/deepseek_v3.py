@@ -28,10 +28,11 @@ The multi-token-prediction module (num_nextn_predict_layers, the checkpoint's la
 pretraining aid: RL trains and rolls out the 61 layers of the main model, and a checkpoint's MTP tensors are
 not loaded (the converter refuses them: drop `model.layers.61.*` and set num_nextn_predict_layers 0).
 
-UAQ does not apply to MLA: the exact pairs would be input_layernorm·s with q_a_proj/s and kv_a_proj_with_mqa/s,
-q_a_layernorm·s with q_b_proj/s, kv_a_layernorm·s with kv_b_proj/s, but then v is unchanged and o_proj, which
-every other table divides by s against v·s, cannot be divided: kv_b_proj holds k_nope and v in one tensor, and
-scaling v alone would scale k_nope, hence the scores, too.
+UAQ is not implemented for MLA. Its exact pairs: input_layernorm·s with q_a_proj/s and kv_a_proj_with_mqa/s
+(k_pe keeps its value; c_kv and q's latent go through RMSNorms), q_a_layernorm·s with q_b_proj/s, kv_a_layernorm·s
+with kv_b_proj's k_nope rows /s and its v rows unchanged (then v·s), and o_proj/s against v·s. The tables give
+a UAQ role per HF tensor, and kv_b_proj holds k_nope and v rows in one tensor, interleaved per head: that split
+is not expressed, so UAQ is refused on this architecture.
 """
 from __future__ import annotations
 
