@@ -32,11 +32,6 @@ def _alloc_unpinned(dims: tuple, dtype: torch.dtype, device: str, pin_memory: bo
     return torch.empty(dims, dtype=dtype, device=device)
 
 
-def _absorbed_mla(attn, forward_batch):
-    """MLA's absorbed forward method for every batch, prefill included (SGLang's choice for a decode)."""
-    return mla_dispatch._dispatch_mla_subtype(attn, forward_batch)
-
-
 #: Qwen2-MoE's fused shared-expert gate, as the model module calls it
 SHARED_GATE = "sglang.srt.models.qwen2_moe.fused_gate_sigmoid_mul_add"
 _hooked = False
@@ -49,7 +44,6 @@ def _shared_gate_on_host(original, hidden_states: torch.Tensor, gate_weight: tor
         return original(hidden_states, gate_weight, shared_output, final_hidden_states)
     gate = torch.sigmoid(hidden_states.float() @ gate_weight.float())
     final_hidden_states.copy_(final_hidden_states.float() + gate[:, None] * shared_output.float())
-    return None
 
 
 def register() -> None:
@@ -59,7 +53,8 @@ def register() -> None:
     global _hooked
     ALLOC_MEMORY_FUNCS.setdefault("cpu", _alloc_unpinned)
     if "torch_native" not in mla_dispatch.AttentionBackendRegistry._handlers:
-        mla_dispatch.AttentionBackendRegistry.register("torch_native", _absorbed_mla)
+        # SGLang's own choice for a decode (absorbed MLA), for every batch
+        mla_dispatch.AttentionBackendRegistry.register("torch_native", mla_dispatch._dispatch_mla_subtype)
     if not _hooked:
         HookRegistry.register(SHARED_GATE, _shared_gate_on_host, HookType.AROUND)
         _hooked = True
