@@ -3,7 +3,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# Two pytest-xdist workers share two cores, and each test's engines and trainers add threads of their own: an
+# OpenMP thread that spins while it waits takes the core another process needs (tests/sglang on two workers:
+# 259 s spinning, 201 s passive). Set before torch loads OpenMP; every process a test starts inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # The tools the tests run (shellcheck, ray, qurl) are the ones the project's environment installs next to this
 # interpreter, never copies a machine happens to have on its PATH: a fresh machine has none.
