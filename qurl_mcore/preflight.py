@@ -25,7 +25,7 @@ from .config import Config
 from .heldout import eval_examples, greedy_repeats
 from .models import ARCHITECTURES, resolve_model_path
 from .placement import placement_of, unplaceable
-from .models.registry import features, hf_linears, num_experts
+from .models.registry import hf_linears, num_experts
 from .precision import METHODS, PRECISIONS, SCOPES, get_precision, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
 from .sizing import GPUS, check_fits, local_gpu, model_config
@@ -309,10 +309,6 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
     if t.routing_replay != "none" and not experts:
         out.problems.append(f"train.routing_replay: {t.routing_replay} replays MoE routing; this model is dense, "
                             "use none")
-    if cfg.uaq.enabled and "mla" in features(hf):  # why: qurl_mcore/models/deepseek_v3.py
-        out.problems.append(f"uaq.enabled: UAQ is not exact on {hf.get('model_type')}'s multi-head latent attention "
-                            "(o_proj's 1/s needs v·s, which kv_b_proj cannot give without scaling k); set "
-                            "uaq.enabled=false")
     if t.routing_replay != "none" and t.recompute == "full" and t.pp_size > 1:
         # the pipeline schedule recomputes a micro-batch after later ones set their replay targets
         out.problems.append("train.routing_replay: r3 with train.recompute full and train.pp_size > 1 is not "

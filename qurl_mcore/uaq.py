@@ -14,6 +14,17 @@ not scale with the gradient, it is s). The foldings used, all exact in real arit
 Net exponent of s per tensor (`UAQ_EXPONENTS`): the v and up rows come back to their original values; the q/k
 biases and the gate keep theirs, so RoPE, q/k norms and the SiLU see unchanged inputs. The router's input
 grows by s, so it is divided by s: it stays in high precision, the division only keeps routing unchanged.
+
+Multi-head latent attention (DeepSeek-V3, `qurl_mcore.models.deepseek_v3`):
+
+  input_layernorm γ·s   and  q_a_proj / s, kv_a_proj_with_mqa / s   (the latents and the RoPE key unchanged)
+  kv_a_layernorm γ·s    and  kv_b_proj's k_nope rows / s            (k unchanged; its v rows stay: v·s)
+  v·s                   and  o_proj / s
+
+kv_b_proj holds, head by head, k_nope rows then v rows, so its role is split per head (`PER_HEAD_ROLES`): each
+part takes the exponent of the role it plays (k: −1, v: 0). The down projections (role "latent") are full
+precision on both sides; their 1/s only undoes the norm's s. q_b_proj keeps W (why: the table's docstring,
+`qurl_mcore.models.deepseek_v3`).
 """
 from __future__ import annotations
 
@@ -21,19 +32,41 @@ from collections.abc import Mapping
 
 import torch
 
-from qurl_mcore.models.registry import hf_uaq_role
+from qurl_mcore.models.registry import hf_uaq_role, shape
 from qurl_mcore.quant import quantize
 
 #: role -> k such that UAQ multiplies the tensor by s**k
 UAQ_EXPONENTS: dict[str, int] = {
     "attn_norm": 1, "q": -1, "k": -1, "v": 0, "q_bias": 0, "k_bias": 0, "v_bias": 1, "o": -1,
     "mlp_norm": 1, "gate": -1, "up": 0, "down": -1, "router": -1,
+    "latent": -1, "kv_latent_norm": 1,
 }
+#: role -> the roles of the parts each head's rows hold, in order (MLA's kv_b_proj: [k_nope; v] per head)
+PER_HEAD_ROLES: dict[str, tuple[str, ...]] = {"kv_b": ("k", "v")}
 
-def uaq_scale_hf(name: str, tensor: torch.Tensor, s: float) -> torch.Tensor:
+
+def scale_per_head(t: torch.Tensor, role: str, part_rows: tuple[int, ...], s: float) -> torch.Tensor:
+    """`t`, whose rows are heads of `part_rows` rows each part, with every head's part i times s**k of
+    PER_HEAD_ROLES[role][i]; computed in fp32, returned in t's dtype. A TP shard of whole heads scales alike."""
+    parts = PER_HEAD_ROLES[role]
+    if len(part_rows) != len(parts) or t.shape[0] % sum(part_rows):
+        raise ValueError(f"role {role!r}: {t.shape[0]} rows are not heads of parts {part_rows} ({parts})")
+    factor = torch.cat([torch.full((n,), float(s ** UAQ_EXPONENTS[r])) for n, r in zip(part_rows, parts)])
+    per_head = t.float().reshape(-1, sum(part_rows), *t.shape[1:])
+    return (per_head * factor.view(1, -1, *[1] * (t.dim() - 1))).reshape(t.shape).to(t.dtype)
+
+
+def uaq_scale_hf(name: str, tensor: torch.Tensor, s: float, hf_config: object = None) -> torch.Tensor:
     """`tensor` (HF parameter `name`) as UAQ with factor s makes it: tensor·s**k for its role (the `uaq` of its
-    slot in the architecture table, `qurl_mcore.models`), computed in fp32."""
+    slot in the architecture table, `qurl_mcore.models`), computed in fp32. A role split per head
+    (`PER_HEAD_ROLES`) reads its parts' sizes from `hf_config` (MLA: qk_nope_head_dim, v_head_dim)."""
     role = hf_uaq_role(name)
+    if role in PER_HEAD_ROLES:
+        if hf_config is None:
+            raise ValueError(f"{name}: UAQ scales its heads' parts apart (role {role!r}); pass the model's "
+                             "config (hf_config) for their sizes")
+        mla = shape(hf_config)
+        return scale_per_head(tensor, role, (mla.qk_nope_head_dim, mla.v_head_dim), s)
     k = UAQ_EXPONENTS[role] if role else 0
     return tensor if k == 0 else (tensor.float() * s**k).to(tensor.dtype)
 

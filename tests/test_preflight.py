@@ -129,13 +129,6 @@ def test_cross_field_numbers(tmp_path):
     assert "train.tp_size: 3 must divide the model's 4 attention heads" in text
 
 
-def test_uaq_is_refused_on_multi_head_latent_attention(tmp_path):
-    """The trainer would refuse it when it builds the model (megatron/rescaling.py); --check says so first."""
-    mla = ["model.path=tiny-deepseek_v3", "precision=int8", "uaq.enabled=true"]
-    assert "uaq.enabled: UAQ is not exact on deepseek_v3's multi-head latent attention" in _problems(tmp_path, *mla)
-    assert "uaq.enabled" not in _problems(tmp_path, "model.path=tiny-glm4_moe", "precision=int8", "uaq.enabled=true")
-
-
 def test_routing_replay_needs_an_moe_and_a_schedule_that_keeps_its_targets(tmp_path):
     assert "train.routing_replay: r3 replays MoE routing; this model is dense" in _problems(
         tmp_path, "train.routing_replay=r3")

@@ -307,7 +307,7 @@ def export_hf_weights(
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in _iter_hf_tensors(model, hf):
             if uaq_scale is not None:
-                tensor = uaq_scale_hf(name, tensor, uaq_scale)
+                tensor = uaq_scale_hf(name, tensor, uaq_scale, hf)
             yield name, tensor if dtype is None else tensor.to(dtype)
 
     yield from buckets(tensors(), bucket_bytes)

@@ -163,10 +163,11 @@ def unscale_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, uaq_scale: fl
         raise ValueError(f"{out}: the output must not be the input directory (nothing is overwritten in place)")
     partial = _fresh_partial(out)
     rescaled = 0
+    config = json.loads((src / "config.json").read_text()) if (src / "config.json").exists() else None  # MLA's heads
     for f in files:
         state = load_file(str(f))
         rescaled += sum(hf_uaq_role(n) is not None for n in state)
-        save_file({n: uaq_scale_hf(n, t, 1.0 / uaq_scale).contiguous() for n, t in state.items()},
+        save_file({n: uaq_scale_hf(n, t, 1.0 / uaq_scale, config).contiguous() for n, t in state.items()},
                   str(partial / f.name), metadata={"format": "pt"})
     if not rescaled:
         shutil.rmtree(partial)

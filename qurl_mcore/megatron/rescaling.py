@@ -2,8 +2,8 @@
 
 The rescaling and its exactness argument are in `qurl_mcore.uaq`; this module applies `UAQ_EXPONENTS` to
 Megatron's layouts: in linear_qkv the rows of each local query group are [q heads, k, v], in linear_fc1
-(SwiGLU) the local rows are [gate; up]. Every factor multiplies whole rows or whole tensors, so each TP/EP
-rank scales its own shards with no communication.
+(SwiGLU) the local rows are [gate; up], in MLA's linear_kv_up_proj each local head's rows are [k_nope; v]. Every
+factor multiplies whole rows or whole tensors, so each TP/EP rank scales its own shards with no communication.
 """
 from __future__ import annotations
 
@@ -13,15 +13,18 @@ import torch
 
 from qurl_mcore.models.registry import megatron_slot
 from qurl_mcore.models.slots import Slot
-from qurl_mcore.uaq import UAQ_EXPONENTS, update_capture_ratio
+from qurl_mcore.uaq import PER_HEAD_ROLES, UAQ_EXPONENTS, scale_per_head, update_capture_ratio
 
 from .spec import linear_group
 
 
 def _scale(t: torch.Tensor, slot: Slot, config, s: float) -> None:
     """Multiply this rank's shard `t` of `slot`'s parameter by s**k of each HF tensor's role, in the slot's
-    layout: whole rows of each local query group [q heads, k, v] (qkv), the halves [gate; up] (gate_up), or
-    the whole tensor."""
+    layout: whole rows of each local query group [q heads, k, v] (qkv), the halves [gate; up] (gate_up), each
+    head's parts (MLA's [k_nope; v]), or the whole tensor."""
+    if slot.uaq[0] in PER_HEAD_ROLES:
+        t.copy_(scale_per_head(t, slot.uaq[0], (config.qk_head_dim, config.v_head_dim), s))
+        return
     factors = [s ** UAQ_EXPONENTS[role] for role in slot.uaq]
     if slot.layout == "qkv":
         q_per_group = config.num_attention_heads // config.num_query_groups
@@ -43,9 +46,6 @@ def apply_uaq(model: torch.nn.Module, s: float = 1.5) -> list[str]:
     config = model.config
     if not config.gated_linear_unit or config.add_bias_linear:
         raise NotImplementedError("UAQ here needs a gated MLP (SwiGLU) and add_bias_linear=False")
-    if config.multi_latent_attention:  # why: qurl_mcore/models/deepseek_v3.py
-        raise NotImplementedError("UAQ is not exact on multi-head latent attention (deepseek_v3): o_proj's 1/s needs "
-                                  "v·s, which kv_b_proj cannot give without scaling k; set uaq.enabled=false")
     if s <= 0:
         raise ValueError(f"the UAQ factor must be positive, got {s}")
     changed = []

@@ -28,11 +28,12 @@ The multi-token-prediction module (num_nextn_predict_layers, the checkpoint's la
 pretraining aid: RL trains and rolls out the 61 layers of the main model, and a checkpoint's MTP tensors are
 not loaded (the converter refuses them: drop `model.layers.61.*` and set num_nextn_predict_layers 0).
 
-UAQ is not implemented for MLA. Its exact pairs: input_layernorm·s with q_a_proj/s and kv_a_proj_with_mqa/s
-(k_pe keeps its value; c_kv and q's latent go through RMSNorms), q_a_layernorm·s with q_b_proj/s, kv_a_layernorm·s
-with kv_b_proj's k_nope rows /s and its v rows unchanged (then v·s), and o_proj/s against v·s. The tables give
-a UAQ role per HF tensor, and kv_b_proj holds k_nope and v rows in one tensor, interleaved per head: that split
-is not expressed, so UAQ is refused on this architecture.
+UAQ on MLA (`qurl_mcore.uaq`): input_layernorm·s with q_a_proj/s and kv_a_proj_with_mqa/s, kv_a_layernorm·s with
+kv_b_proj's k_nope rows /s and its v rows unchanged (so v·s), and o_proj/s against v·s: of the quantized
+projections, kv_b_proj's k_nope rows and o_proj hold W/s (kv_b_proj's role, "kv_b", is split per head into its
+k_nope and v rows). q_b_proj keeps W: the s would go into q_a_layernorm's γ, whose Megatron name
+(self_attention.q_layernorm) is also Qwen3's and GLM-4.5's q norm, which UAQ leaves alone, and a name has one
+meaning in every table.
 """
 from __future__ import annotations
 
@@ -47,17 +48,18 @@ MLA = (
     Slot(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "replicated", "norm",
          lambda s: ((s.hidden,),), uaq=("attn_norm",)),
     Slot(_A + "linear_q_down_proj.weight", (_HA + "q_a_proj.weight",), "rows", "latent",
-         lambda s: ((s.q_lora_rank, s.hidden),)),
+         lambda s: ((s.q_lora_rank, s.hidden),), uaq=("latent",)),
     Slot(_A + "q_layernorm.weight", (_HA + "q_a_layernorm.weight",), "replicated", "norm",
          lambda s: ((s.q_lora_rank,),)),
     Slot(_A + "linear_q_up_proj.weight", (_HA + "q_b_proj.weight",), "rows", "attention",
          lambda s: ((s.heads * s.head_dim, s.q_lora_rank),), sglang=_HA + "q_b_proj"),
     Slot(_A + "linear_kv_down_proj.weight", (_HA + "kv_a_proj_with_mqa.weight",), "rows", "latent",
-         lambda s: ((s.kv_lora_rank + s.qk_rope_head_dim, s.hidden),)),
+         lambda s: ((s.kv_lora_rank + s.qk_rope_head_dim, s.hidden),), uaq=("latent",)),
     Slot(_A + "kv_layernorm.weight", (_HA + "kv_a_layernorm.weight",), "replicated", "norm",
-         lambda s: ((s.kv_lora_rank,),)),
+         lambda s: ((s.kv_lora_rank,),), uaq=("kv_latent_norm",)),
     Slot(_A + "linear_kv_up_proj.weight", (_HA + "kv_b_proj.weight",), "rows", "attention",
-         lambda s: ((s.heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),), sglang=_HA + "kv_b_proj"),
+         lambda s: ((s.heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),), sglang=_HA + "kv_b_proj",
+         uaq=("kv_b",)),
     Slot(_A + "linear_proj.weight", (_HA + "o_proj.weight",), "columns", "attention",
          lambda s: ((s.hidden, s.heads * s.v_head_dim),), sglang=_HA + "o_proj", uaq=("o",)),
     Slot(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated", "norm",

@@ -23,13 +23,13 @@ def test_moe_loop_with_fp4_rc_on_both_sides_and_routing_replay(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision,uaq,replay", [("bf16", "false", "r3"), ("int8", "true", "none")])
-def test_mixtral_loop(tmp_path, precision, uaq, replay):
-    """Two steps on tiny-mixtral, whose engine is SGLang's FusedMoE Mixtral whether quantized or not: it reports
-    its routing; unquantized, the trainer replays it; quantized (with UAQ), the engine takes the pushes and the
-    trainer's own routing is compared with the engine's."""
-    train(tmp_path, "model.path=tiny-mixtral", "steps=2", f"precision={precision}", f"uaq.enabled={uaq}",
-           f"train.routing_replay={replay}")
+def test_mixtral_loop(tmp_path):
+    """Two steps on tiny-mixtral with an INT8 engine, UAQ and R3: a quantized Mixtral engine is SGLang's FusedMoE
+    `MixtralForCausalLM` (qurl_mcore/sglang/architecture.py), which reports its routing, so the trainer replays it;
+    the trainer's own routing is compared with the engine's before the replay. (Its unquantized engine, and the
+    same routes on both sides there: tests/align/test_align_architectures.py.)"""
+    train(tmp_path, "model.path=tiny-mixtral", "steps=2", "precision=int8", "uaq.enabled=true",
+          "train.routing_replay=r3")
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["train/skipped_nonfinite"] == 0 and r["mismatch/prob_pearson"] > 0.9 for r in records)
@@ -51,10 +51,10 @@ def test_glm4_moe_loop(tmp_path):
 @pytest.mark.slow
 def test_deepseek_v3_loop(tmp_path):
     """Two steps on tiny-deepseek_v3 (MLA, a dense first layer, shared expert, group-limited sigmoid routing):
-    the 8-bit rollout of the shipped DeepSeek-V3 config (INT8 W8A8 engine, no UAQ: refused on MLA), the engine's
-    routing replayed in the trainer (R3). Its engine runs MLA's absorbed path on the torch-native backend
+    the 8-bit rollout of the shipped DeepSeek-V3 config (INT8 W8A8 engine, UAQ's MLA pairs), the engine's routing
+    replayed in the trainer (R3). Its engine runs MLA's absorbed path on the torch-native backend
     (qurl_mcore/sglang/cpu.py)."""
-    train(tmp_path, "model.path=tiny-deepseek_v3", "steps=2", "precision=int8", "uaq.enabled=false",
+    train(tmp_path, "model.path=tiny-deepseek_v3", "steps=2", "precision=int8", "uaq.enabled=true",
           "train.routing_replay=r3")
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]

@@ -1,14 +1,17 @@
+import json
+import shutil
+
 import pytest
 import torch
 
-from qurl_mcore.megatron.convert import load_hf_weights, read_hf_state
+from qurl_mcore.megatron.convert import export_hf_weights, load_hf_weights, read_hf_state
 from qurl_mcore.megatron.logprobs import token_logprobs
 from qurl_mcore.megatron.gpt import build_gpt
 from qurl_mcore.megatron.rescaling import apply_uaq, quantized_weights, update_capture
 from qurl_mcore.models.registry import features, hf_uaq_role, num_experts
 from qurl_mcore.models.smollm2 import hf_checkpoint
 from qurl_mcore.models.tiny import tiny_checkpoint
-from qurl_mcore.uaq import UAQ_EXPONENTS, uaq_scale_hf, update_capture_ratio
+from qurl_mcore.uaq import UAQ_EXPONENTS, scale_per_head, uaq_scale_hf, update_capture_ratio
 
 from .helpers import random_ids
 
@@ -18,15 +21,49 @@ def _logits(model, ids):
         return model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
 
 
-def test_uaq_refuses_multi_head_latent_attention(megatron_ws1):
-    model = build_gpt(tiny_checkpoint("deepseek_v3"))
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(NotImplementedError, match="uaq.enabled=false"):
-        apply_uaq(model, 2.0)
-    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # refused before any change
+@pytest.mark.parametrize("s", [1.5, 2.0])
+def test_uaq_preserves_multi_head_latent_attention(s, megatron_ws1):
+    """DeepSeek-V3's MLA: kv_b_proj's k_nope rows and o_proj hold W/s, kv_b_proj's v rows W (v·s against o_proj/s),
+    q_b_proj W, and the model computes the same; the export equals the HF-side table applied to the original."""
+    path = tiny_checkpoint("deepseek_v3")
+    hf = json.loads((path / "config.json").read_text())
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    plain = {n: t.clone() for b in export_hf_weights(model, path) for n, t in b}  # an export may share storage
+    ids = random_ids(2, 16)
+    before = _logits(model, ids)
+    weights = quantized_weights(model)
+    apply_uaq(model, s)
+    after = _logits(model, ids)
+    assert ((after - before).norm() / before.norm()).item() < 1e-5
+    new = {n: p.detach() for n, p in model.named_parameters()}
+    attn = "decoder.layers.0.self_attention."
+    nope, v = hf["qk_nope_head_dim"], hf["v_head_dim"]
+    kv = attn + "linear_kv_up_proj.weight"
+    heads_new = new[kv].view(hf["num_attention_heads"], nope + v, -1)
+    heads_old = weights[kv].view(hf["num_attention_heads"], nope + v, -1)
+    assert torch.allclose(heads_new[:, :nope], heads_old[:, :nope] / s) and torch.equal(heads_new[:, nope:],
+                                                                                        heads_old[:, nope:])
+    assert torch.allclose(new[attn + "linear_proj.weight"], weights[attn + "linear_proj.weight"] / s)
+    assert torch.equal(new[attn + "linear_q_up_proj.weight"], weights[attn + "linear_q_up_proj.weight"])
+    scaled = dict(kv for b in export_hf_weights(model, path) for kv in b)
+    for name, tensor in plain.items():
+        torch.testing.assert_close(scaled[name], uaq_scale_hf(name, tensor, s, hf), rtol=1e-6, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2", "llama", "mixtral", "qwen2_moe"])
+def test_per_head_parts_take_their_roles_exponents():
+    # heads of [k (1 row); v (2 rows)], s = 2: k rows / 2, v rows as they are
+    t = torch.arange(12.0).view(6, 2)
+    want = t.clone()
+    want[[0, 3]] /= 2
+    assert torch.equal(scale_per_head(t, "kv_b", (1, 2), 2.0), want)
+    with pytest.raises(ValueError, match="are not heads of parts"):
+        scale_per_head(t, "kv_b", (2, 2), 2.0)
+    with pytest.raises(ValueError, match="pass the model's config"):
+        uaq_scale_hf("model.layers.0.self_attn.kv_b_proj.weight", t, 2.0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2", "llama", "mixtral", "qwen2_moe", "glm4_moe"])
 @pytest.mark.parametrize("s", [1.5, 2.0])
 def test_uaq_preserves_the_function(arch, s, megatron_ws1):
     path = tiny_checkpoint(arch)
@@ -65,6 +102,30 @@ def test_hf_uaq_table_preserves_the_hf_model():
     assert hf_uaq_role("model.layers.3.mlp.gate.weight") == "router"
     assert hf_uaq_role("model.embed_tokens.weight") is None
     assert set(UAQ_EXPONENTS.values()) <= {-1, 0, 1}
+
+
+def test_hf_uaq_table_preserves_transformers_deepseek_v3(tmp_path):
+    """The HF-side table on MLA (kv_b_proj split per head, its sizes from the checkpoint's config): a checkpoint
+    rewritten with s = 1.5 (`unscale_hf_checkpoint` by 1/s, as verl's start does) loads into transformers' own
+    DeepSeek-V3 and computes the same. (Through files: transformers 5 fuses the experts' tensors in memory.)"""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from qurl_mcore.megatron.export import unscale_hf_checkpoint
+
+    path = tmp_path / "fp32"  # the tiny checkpoint in fp32, so that the rewrite is exact
+    shutil.copytree(tiny_checkpoint("deepseek_v3"), path)
+    for f in path.glob("*.safetensors"):
+        save_file({k: v.float() for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    scaled = unscale_hf_checkpoint(path, tmp_path / "scaled", 1 / 1.5)
+    ids = random_ids(1, 16)
+    with torch.no_grad():
+        before, after = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()(ids).logits
+                         for p in (path, scaled))
+    assert ((after - before).norm() / before.norm()).item() < 1e-5
+    kv_b = "model.layers.0.self_attn.kv_b_proj.weight"
+    original, rewritten = (load_file(str(next(p.glob("*.safetensors"))))[kv_b] for p in (path, scaled))
+    assert not torch.equal(original, rewritten)
 
 
 def test_update_capture_ratio_counts_code_changes():
