@@ -17,6 +17,10 @@ which the H/G q heads of a group share; so a linear_proj scale is one per v row,
 the group's heads all take it (the maxima are taken over the group too). q/k norms and RoPE act on q/k outputs,
 which smoothing leaves unchanged; q/k biases too.
 
+Multi-head latent attention (DeepSeek-V3) is left unsmoothed: o_proj's input is kv_b_proj's v rows, which no role
+here names apart from its k rows, and q_b_proj / kv_b_proj read latents whose norms no point covers; its first
+layers' dense MLPs are smoothed.
+
 Left unsmoothed, by `SMOOTHED`: routed experts (their gate/up read the normalised x that the router reads: a
 norm fold would change the router's input, and compensating in the router's columns would change its bf16
 rounding and so flip near-tied top-k choices; their down inputs are per expert, seen by the tokens routed there
@@ -73,10 +77,14 @@ def point_key(layer: int, group: str, point: str) -> str:
     return f"layers.{layer}.{group}.{point}"
 
 
-def _entries(hf_config: object, groups: Iterable[str]) -> Iterator[tuple[str, Absorb]]:
-    """(HF tensor name, what it absorbs) for every smoothed point of the model among `groups`."""
+def _entries(hf_config: object, groups: Iterable[str]) -> list[tuple[str, Absorb]]:
+    """(HF tensor name, what it absorbs) for every smoothed point of the model among `groups`, in the layers each
+    tensor exists in. A point is smoothed only where it has both sides, a consumer whose columns take s and a
+    tensor that takes 1/s: a norm before a layer without a dense MLP has no consumer; MLA's o_proj (DeepSeek-V3)
+    has no producer among these roles (its input is kv_b_proj's v rows, interleaved per head with k's)."""
     c = config_dict(hf_config)
-    groups = frozenset(groups)
+    dims, groups = shape(c), frozenset(groups)
+    entries = []
     for slot in slots(c):
         if slot.per_expert or not slot.per_layer:
             continue
@@ -84,19 +92,19 @@ def _entries(hf_config: object, groups: Iterable[str]) -> Iterator[tuple[str, Ab
             for point, group, axis, exponent in ABSORB.get(role, ()):
                 group = group or slot.group
                 if (group, point) in SMOOTHED and group in groups:
-                    for layer in range(c["num_hidden_layers"]):
-                        yield template.format(layer=layer), Absorb(point_key(layer, group, point), axis, exponent)
+                    entries += [(template.format(layer=layer), Absorb(point_key(layer, group, point), axis, exponent))
+                                for layer in dims.slot_layers(slot)]
+    read = {a.key for _, a in entries if a.axis == 1}
+    absorbed = {a.key for _, a in entries if a.axis == 0}
+    return [(name, a) for name, a in entries if a.key in read and a.key in absorbed]
 
 
 def fold_table(hf_config: object, groups: Iterable[str]) -> dict[str, tuple[Absorb, ...]]:
     """HF tensor name -> the scales it absorbs, for the smoothed points of the linear `groups` (the groups the
     rollout quantizes); tensors absent are left as they are."""
-    entries = list(_entries(hf_config, groups))
-    read = {a.key for name, a in entries if a.axis == 1}  # a norm before a layer without a dense MLP: no point
     table: dict[str, tuple[Absorb, ...]] = {}
-    for name, absorb in entries:
-        if absorb.key in read:
-            table[name] = table.get(name, ()) + (absorb,)
+    for name, absorb in _entries(hf_config, groups):
+        table[name] = table.get(name, ()) + (absorb,)
     return table
 
 
