@@ -8,18 +8,32 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import torch
 
 CASES = [("qwen3_moe", "qurl_int8", {"scope": "all"}), ("qwen3_moe", "qurl_fp4_rc", {"fmt": "mxfp4"})]
 
 
+def flush(engine, attempts: int = 200) -> None:
+    """The cache flush slime makes after a push (its engine's `flush_cache`, retried until the scheduler has no
+    request left): slime's pushes pass flush_cache=False, because SGLang 0.5.15 asserts in the scheduler, and
+    the scheduler dies, when a flush asked with an update finds a request still in its running batch (the overlap
+    loop retires a finished request one iteration late)."""
+    for _ in range(attempts):
+        if engine.flush_cache().success:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the cache was not flushed in {attempts} attempts")
+
+
 def push(engine, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
     """One `update_weights_from_tensor` call per bucket, the call slime's colocated push makes (no session:
-    SGLang 0.5.15 has none)."""
+    SGLang 0.5.15 has none), then slime's flush."""
     for bucket in buckets:
-        ok, message = engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=True)
+        ok, message = engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
         assert ok, message
+    flush(engine)
 
 
 def push_flattened(engine, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
@@ -33,8 +47,9 @@ def push_flattened(engine, buckets: list[list[tuple[str, torch.Tensor]]]) -> Non
         data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
         ok, message = engine.update_weights_from_tensor(
             named_tensors=[MultiprocessingSerializer.serialize(data, output_str=True)],
-            load_format="flattened_bucket", flush_cache=True)
+            load_format="flattened_bucket", flush_cache=False)
         assert ok, message
+    flush(engine)
 
 
 def push_distributed(engine, buckets: list[list[tuple[str, torch.Tensor]]], group_name: str) -> None:
@@ -59,12 +74,13 @@ def push_distributed(engine, buckets: list[list[tuple[str, torch.Tensor]]], grou
     for bucket in buckets:
         receive = engine_side("update_weights_from_distributed", names=[n for n, _ in bucket],
                               dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                              shapes=[list(t.shape) for _, t in bucket], group_name=group_name, flush_cache=True)
+                              shapes=[list(t.shape) for _, t in bucket], group_name=group_name, flush_cache=False)
         sender.send(bucket)
         receive.join()
     sender.close()
     results.append(engine.destroy_weights_update_group(group_name))
     assert all(ok for ok, _ in results), results
+    flush(engine)
 
 
 def main() -> None:
