@@ -12,7 +12,8 @@ from qurl_mcore.preflight import preflight
 STUDIES = Path(__file__).resolve().parents[1] / "launch" / "configs" / "studies"
 # each study: the directory of its variant files and the base its docs/studies.md command layers them on
 RUNS = [("objectives", "objectives/base.yaml"), ("uaq", "uaq/base.yaml"), ("moe", "moe/base.yaml"),
-        ("smoothing", "objectives/base.yaml"), ("moe", "moe_upcycled/base.yaml")]
+        ("smoothing", "objectives/base.yaml"), ("moe", "moe_upcycled/base.yaml"),
+        ("long", "objectives/base.yaml")]
 CASES = [(variant, base) for folder, base in RUNS
          for variant in sorted(p.relative_to(STUDIES).as_posix() for p in (STUDIES / folder).glob("*.yaml"))
          if not variant.endswith("/base.yaml")]
