@@ -408,7 +408,7 @@ class PolicyTrainer:
         fp32 before the cast); each bucket is gathered just before it goes out. Drained on exit, also after a
         failure: the export gathers shards from every rank (collective)."""
         # Megatron-Core stays out of the driver, which imports this module (actors.py)
-        from qurl_mcore.megatron import export_hf_weights
+        from qurl_mcore.megatron.convert import export_cast, export_hf_weights
 
         r = self.cfg.rollout
         dtype = getattr(torch, r.dtype)
@@ -416,7 +416,8 @@ class PolicyTrainer:
         scales = self._smoothing() if smoothed else None
         raw = export_hf_weights(self.model, self.hf, bucket_bytes=r.push_bucket_mb << 20,
                                 dtype=None if smoothed else dtype)
-        stream = smooth_buckets(raw, scales, fold_table(self.hf, self.recipe.engine.groups), dtype) if smoothed else raw
+        stream = smooth_buckets(raw, scales, fold_table(self.hf, self.recipe.engine.groups),
+                                export_cast(self.hf, dtype)) if smoothed else raw
         try:
             yield stream
         finally:

@@ -13,7 +13,7 @@ SGLang's weight update takes, optionally UAQ-scaled on the way out.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -303,11 +303,25 @@ def export_hf_weights(
     the same buckets. `dtype` casts (e.g. torch.bfloat16 for SGLang); `uaq_scale` applies UAQ with that s
     to the exported tensors (for a model not UAQ-scaled in place)."""
     hf = load_hf_config(hf_config)
+    cast = export_cast(hf, dtype)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in _iter_hf_tensors(model, hf):
             if uaq_scale is not None:
                 tensor = uaq_scale_hf(name, tensor, uaq_scale, hf)
-            yield name, tensor if dtype is None else tensor.to(dtype)
+            yield name, cast(name, tensor)
 
     yield from buckets(tensors(), bucket_bytes)
+
+
+def export_cast(hf_config, dtype: torch.dtype | None) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """(HF name, tensor) -> the tensor in `dtype` (None: its own), except the table's fp32 tensors (`Slot.fp32`,
+    the router's expert bias), which stay fp32: Megatron and SGLang both route with an fp32 bias."""
+    fp32 = [pattern(t) for s in slots(hf_config) if s.fp32 for t in s.hf]
+
+    def cast(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if any(p.match(name) for p in fp32):
+            return tensor.float()
+        return tensor if dtype is None else tensor.to(dtype)
+
+    return cast

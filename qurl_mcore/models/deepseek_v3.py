@@ -69,7 +69,7 @@ MLA = (
 #: the sigmoid router's expert bias (noaux_tc), a buffer of Megatron's router
 EXPERT_BIAS = (
     Slot(_L + "mlp.router.expert_bias", (_H + "mlp.gate.e_score_correction_bias",), "replicated", "router",
-         lambda s: ((s.experts,),), layers="moe"),
+         lambda s: ((s.experts,),), layers="moe", fp32=True),
 )
 
 #: a dense MLP on the first layers, then the router with its bias, the routed experts and the shared experts

@@ -26,6 +26,8 @@ to know about it:
   exported   False for a copy of a tensor another slot exports (a tied output layer under pipeline stages)
   layers     the layers a per-layer slot exists in: "all", "dense" (a dense model's every layer, an MoE model's
              first `first_k_dense_replace`), or "moe" (the others)
+  fp32       True for a tensor that stays fp32 whatever dtype the weights travel or are written in (the router's
+             expert bias: Megatron and SGLang hold it in fp32, and a bf16 copy moves near-tie routes)
 
 An `Architecture` is a model type's slots and the features its configs turn on. Nothing here imports a framework:
 the converter, the trainer's spec, the SGLang plugin, UAQ, the precision table and `qurl plan` read these tables.
@@ -143,6 +145,7 @@ class Slot:
     needs: str = ""
     exported: bool = True
     layers: str = "all"
+    fp32: bool = False
 
     def __post_init__(self) -> None:
         if self.layers not in LAYER_KINDS:

@@ -35,7 +35,8 @@ def test_hf_to_megatron_to_hf_round_trip_is_exact(arch, megatron_ws1):
     if features(path).isdisjoint({"untied"}):
         original.pop("lm_head.weight", None)
     assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], original[k]) for k in original)
+    # the router's expert bias comes out in fp32 (test_expert_bias_stays_fp32_...), every other tensor in bf16
+    assert all(torch.equal(exported[k].to(original[k].dtype), original[k]) for k in original)
 
 
 @pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe", "qwen2", "llama", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"])
@@ -233,3 +234,33 @@ def test_an_upcycled_llama_in_megatron_computes_the_dense_model(megatron_ws1, tm
     original = read_hf_state(moe)
     exported = dict(kv for bucket in export_hf_weights(model, moe, dtype=torch.bfloat16) for kv in bucket)
     assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_expert_bias_stays_fp32_through_the_push_the_smoothed_push_and_the_written_checkpoint(megatron_ws1, tmp_path):
+    """DeepSeek-V3's e_score_correction_bias is fp32 in Megatron's router and in SGLang's gate: a bf16 copy
+    would move near-tie routes after the first push. A bias no bf16 value equals (1 + 2^-12, ...) leaves the
+    export, the smoothed push's cast and the HF checkpoint written by `qurl export` bit for bit, while the
+    linears take the export's dtype."""
+    from safetensors import safe_open
+
+    from qurl_mcore.megatron.export import write_hf_checkpoint
+    from qurl_mcore.smoothing import smooth_buckets
+
+    path = tiny_checkpoint("deepseek_v3")
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    name, router = "model.layers.1.mlp.gate.e_score_correction_bias", model.decoder.layers[1].mlp.router
+    bias = 1 + torch.arange(1, 9, dtype=torch.float32) * 2.0**-12
+    assert not torch.equal(bias.bfloat16().float(), bias)  # the test can fail: bf16 rounds this bias
+    router.expert_bias.copy_(bias)
+    exported = dict(kv for bucket in export_hf_weights(model, path, dtype=torch.bfloat16) for kv in bucket)
+    assert exported[name].dtype == torch.float32 and torch.equal(exported[name], bias)
+    assert exported["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    from qurl_mcore.megatron.convert import export_cast  # the cast the smoothed push applies after its fold
+
+    raw = export_hf_weights(model, path, dtype=None)
+    smoothed = dict(kv for b in smooth_buckets(raw, {}, {}, export_cast(path, torch.bfloat16)) for kv in b)
+    assert torch.equal(smoothed[name], bias) and smoothed["model.embed_tokens.weight"].dtype == torch.bfloat16
+    out = write_hf_checkpoint(model, path, tmp_path / "hf", dtype=torch.bfloat16)
+    with safe_open(str(next(out.glob("model-*.safetensors"))), "pt") as f:
+        assert torch.equal(f.get_tensor(name), bias)
