@@ -41,6 +41,6 @@ class QurlLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         wq = layer.qurl_weight
-        if self.options.kernel == "auto" and kernels.available(wq.spec, x.device):
+        if self.options.kernel == "auto" and kernels.linear_available(wq.spec, x.device):
             return kernels.w8a8_linear(x, wq, bias)
         return quantized_linear(x, wq, bias, self.spec)
