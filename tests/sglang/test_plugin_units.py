@@ -104,6 +104,50 @@ def test_a_qurl_mixtral_is_built_as_sglangs_fused_moe_class():
                      None: "MixtralForCausalLM"}
 
 
+@pytest.mark.parametrize("scope", ["experts", "all"])
+def test_no_qurl_method_lets_sglang_fuse_the_shared_expert(scope):
+    """SGLang fuses a shared expert into the routed experts' FusedMoE on CUDA (SM >= 80, EP 1) unless the quant
+    config says it cannot; the plugin's tables, the trainer and the symmetry check hold it as its own linears,
+    so no qurl method can. DeepSeek-V3's gate asks first of all, before any CUDA condition, so its answer on
+    this CPU is the one a GPU gets."""
+    from sglang.srt.models.deepseek_common.utils import quant_blocks_shared_experts_fusion
+    from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
+    from transformers import AutoConfig
+
+    from qurl_mcore.sglang.quant_config import CONFIGS
+
+    hf = AutoConfig.from_pretrained(tiny_checkpoint("deepseek_v3"))
+    for method, cls in CONFIGS.items():
+        config = cls(QurlOptions.parse(method, {"scope": scope}))
+        assert config.can_fuse_shared_expert() is False and quant_blocks_shared_experts_fusion(config), method
+        assert "higher precision" in DeepseekV3ForCausalLM.shared_experts_fusion_disable_reason(hf, config)
+
+
+def test_a_quantized_engine_turns_sglangs_shared_expert_fusion_off_in_its_server_args():
+    """GLM-4.5's fusion gate never asks the quant config: only the server argument turns fusion off. SGLang's
+    own ServerArgs, built from the engine's arguments and published, carry it as SGLang's MoE settings read it;
+    a BF16 engine keeps SGLang's default."""
+    from sglang.srt.layers.moe.utils import resolve_shared_experts_config
+    from sglang.srt.models.glm4_moe import Glm4MoeForCausalLM
+    from sglang.srt.runtime_context import create_context, get_exec, use_context
+    from sglang.srt.server_args import ServerArgs
+    from transformers import AutoConfig
+
+    from qurl_mcore.rollout import EngineConfig
+    from qurl_mcore.sglang.quant_config import CONFIGS
+
+    register()
+    path = str(tiny_checkpoint("glm4_moe"))
+    quantized = EngineConfig(path, "qurl_fp4_rc", device="cpu")
+    assert "--disable-shared-experts-fusion" in quantized.server_argv("127.0.0.1", 30000)
+    assert "disable_shared_experts_fusion" not in EngineConfig(path, device="cpu").engine_kwargs()
+    with use_context(create_context(ServerArgs(**quantized.engine_kwargs()), role="scheduler")):
+        assert get_exec().moe.disable_shared_experts_fusion is True
+        layout = resolve_shared_experts_config(Glm4MoeForCausalLM, AutoConfig.from_pretrained(path),
+                                               CONFIGS["qurl_fp4_rc"]())
+    assert layout.fusion_disabled and layout.num_fused_shared_experts == 0
+
+
 def test_requant_picks_the_quantizer_of_linears_and_experts():
     from qurl_mcore.quant import quantize_weight_compiled
     from qurl_mcore.sglang.linear import QurlLinearMethod
