@@ -43,7 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 #: the `gpu`-marked tests that need no SGLang (the GPU machine has none)
 GPU_TESTS = ("tests/loop/test_trainer_gpu.py", "tests/quant/test_gemm.py", "tests/megatron/test_spec.py",
-             "tests/sglang/test_plugin_units.py")
+             "tests/sglang/test_host_masters.py")
 
 
 def random_llama(out: Path, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int) -> Path:

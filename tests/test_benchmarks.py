@@ -42,6 +42,33 @@ def _device_check():
     return device_check
 
 
+#: run in a child process: pytest collecting the device check's GPU tests with the packages the GPU machine
+#: lacks made unimportable, as there (an import of any of them raises ModuleNotFoundError)
+_COLLECT_WITHOUT = """
+import importlib.abc, sys
+ABSENT = ("sglang", "sgl_kernel", "flashinfer", "ray", "transformer_engine")
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ABSENT:
+            raise ModuleNotFoundError(f"No module named {name!r} (absent on the GPU machine)", name=name)
+sys.meta_path.insert(0, Absent())
+import pytest
+sys.exit(pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.slow  # collecting imports Megatron and transformers: ~40 s on 2 busy cores
+def test_every_gpu_test_of_the_device_check_collects_without_sglang_ray_or_te():
+    """The GPU machine has no SGLang, Ray or Transformer Engine: a listed file that imports one at module level
+    would make the gpu-tests section collect nothing. Each listed file must collect, with at least one test."""
+    dc = _device_check()
+    out = subprocess.run([sys.executable, "-c", _COLLECT_WITHOUT, *dc.GPU_TESTS], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    collected = {line.split("::")[0] for line in out.stdout.splitlines() if "::" in line}
+    assert collected == set(dc.GPU_TESTS), out.stdout[-3000:]
+
+
 def test_device_check_dry_run_reports_every_section_within_its_budget():
     """`--dry-run` (no GPU needed) lists every section in order, running those whose budgets fit in the
     total and reporting the others skipped; the default total leaves the run, setup included, under 5 minutes."""

@@ -13,7 +13,6 @@ from qurl_mcore.recipe import engine_recipe, resolve
 from qurl_mcore.sglang import METHODS, QurlOptions, register
 from qurl_mcore.sglang import weights
 from qurl_mcore.sglang.architecture import checkpoint_prefix, fused_moe_class
-from tests.conftest import requires_cuda
 
 
 def test_options_defaults_and_validation():
@@ -183,27 +182,6 @@ def test_store_rewrites_in_place(fmt):
     assert kept is old and (old.data.data_ptr(), old.scale.data_ptr()) == ptrs
     assert torch.equal(kept.dequantize(), new.dequantize())
     assert weights.store(old, quantize_weight(torch.randn(16, 64), spec)) is not old  # other shape: replaced
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])])
-def test_a_host_master_is_written_where_it_waits_and_quantized_at_home(device):
-    """The weight-update cycle with master="host": the Parameter goes back on the layer where it waits (pinned
-    host memory; no full-precision copy on the device for the session), and the quantized copy is made at the
-    layer's home from a copy of one weight. On the CPU home and host coincide."""
-    layer = torch.nn.Module()
-    layer.register_parameter("weight", torch.nn.Parameter(torch.randn(32, 64, device=device), requires_grad=False))
-    spec = make_spec("rc_none", "int8")
-    assert weights.home(layer, "weight") == layer.weight.device
-    weights.detach_master(layer, "weight", host=True)
-    weights.attach_master(layer, "weight")
-    assert layer.weight.device.type == "cpu" and (device == "cpu" or layer.weight.is_pinned())
-    new = torch.randn(32, 64, device=device)
-    layer.weight.data.copy_(new)  # what SGLang's loader does
-    got = quantize_weight(weights.at_home(layer, "weight", layer.weight.data), spec)
-    assert got.data.device == new.device
-    assert torch.equal(got.dequantize(), quantize_weight(new, spec).dequantize())
-    w = layer.weight.data
-    assert (weights.at_home(layer, "weight", w).data_ptr() == w.data_ptr()) == (device == "cpu")  # no copy at home
 
 
 @pytest.mark.parametrize("method,fmt", [("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"),
