@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -264,3 +266,52 @@ def test_expert_bias_stays_fp32_through_the_push_the_smoothed_push_and_the_writt
     out = write_hf_checkpoint(model, path, tmp_path / "hf", dtype=torch.bfloat16)
     with safe_open(str(next(out.glob("model-*.safetensors"))), "pt") as f:
         assert torch.equal(f.get_tensor(name), bias)
+
+
+def _variant(dst, extra):
+    """A copy of tiny-deepseek_v3 (2 layers, the second MoE) with `extra(state)` applied to its tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(tiny_checkpoint("deepseek_v3"), dst)
+    state = load_file(path / "model.safetensors")
+    extra(state)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _with_mtp(state):
+    """DeepSeek-V3's multi-token-prediction module: layer num_hidden_layers (2 here), beyond the config's."""
+    state["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128, dtype=torch.bfloat16)
+    state["model.layers.2.enorm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+
+
+def _fp8(state):
+    """DeepSeek-V3's published format: an FP8 E4M3 weight and its fp32 scale per 128x128 block."""
+    name = "model.layers.0.self_attn.o_proj.weight"
+    w = state[name].float()
+    state[name] = w.to(torch.float8_e4m3fn)
+    state[name + "_scale_inv"] = torch.ones(-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+
+
+def test_an_fp8_checkpoint_and_mtp_layers_are_refused_by_name(megatron_ws1, tmp_path):
+    """An FP8 checkpoint loads as its codes without their block scales unless refused, MTP tensors would be
+    dropped without a word: both are refused naming what they are and the fix."""
+    for extra, said in ((_fp8, "an FP8 checkpoint"), (_with_mtp, "multi-token-prediction (MTP)")):
+        path = _variant(tmp_path / extra.__name__, extra)
+        with pytest.raises(ValueError, match=re.escape(said)):
+            load_hf_weights(build_gpt(path), path)
+
+
+@pytest.mark.slow  # two processes that import Megatron
+def test_mtp_layers_and_fp8_scales_are_refused_at_expert_parallel_2(tmp_path):
+    """At EP=2 no rank reads every tensor, so the unused-tensor guard cannot run there; both refusals do, on
+    every rank, while the plain checkpoint loads."""
+    from qurl_mcore.megatron.parallel import spawn
+
+    from . import workers
+
+    paths = [str(_variant(tmp_path / f.__name__, f)) for f in (_with_mtp, _fp8)] + [str(tiny_checkpoint("deepseek_v3"))]
+    for mtp, fp8, plain in spawn(workers.refusals, 2, paths):
+        assert "multi-token-prediction (MTP)" in mtp and "an FP8 checkpoint" in fp8 and plain == ""

@@ -128,3 +128,17 @@ def listening_addresses(rank: int) -> list[str]:
     t = torch.ones(1)
     dist.all_reduce(t)
     return sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"})
+
+
+def refusals(rank: int, paths: list) -> list[str]:
+    """What loading each checkpoint of `paths` into a tiny DeepSeek-V3 at EP=2 (each rank 4 of the 8 experts,
+    so no rank reads every tensor) raises on this rank ("" where it loads)."""
+    init_parallel(expert_parallel=2)
+    out = []
+    for path in paths:
+        try:
+            load_hf_weights(build_gpt(path), path)
+            out.append("")
+        except ValueError as err:
+            out.append(str(err))
+    return out
