@@ -3,8 +3,9 @@ local spec (`get_gpt_layer_local_spec`) by swapping only the linears of the grou
 (`Recipe.train_groups`). Which Megatron parameter belongs to which linear group is its slot's `group` in the
 architecture table (`qurl_mcore.models`); the spec swaps, per group, the Megatron submodules below:
 
-  attention       self_attention's linear_qkv (column) and linear_proj (row); under MLA linear_q_up_proj and
-                  linear_kv_up_proj (column) and linear_proj (row), its down projections never (`latent`)
+  attention       self_attention's linear_qkv (column) and linear_proj (row); under MLA linear_q_up_proj
+                  (column) and linear_proj (row), its latent projections never (`latent`: the down
+                  projections and linear_kv_up_proj)
   mlp, experts,   the MLP's linear_fc1 (column) and linear_fc2 (row): the dense MLP, every routed expert's,
   shared_experts  the shared experts'
 Routers, norms, embeddings and the output layer are never quantized (GPTModel builds the last two itself).
@@ -171,9 +172,8 @@ def _layer(config: TransformerConfig, recipe: Recipe, core_attention: str, num_e
             if group not in recipe.train_groups:
                 continue
             for s in subs:
-                if group == "attention" and mla:  # the down projections are group "latent": never quantized
-                    s.linear_q_up_proj = s.linear_kv_up_proj = column
-                    s.linear_proj = row
+                if group == "attention" and mla:  # the latent projections (group "latent") never
+                    s.linear_q_up_proj, s.linear_proj = column, row
                 elif group == "attention":
                     s.linear_qkv, s.linear_proj = column, row
                 else:

@@ -14,8 +14,9 @@ to know about it:
                gate_up     [gate; up], each half split along dim 0             (SwiGLU's fc1)
              expert slots are sharded over the expert-tensor-parallel group and live on the expert-parallel
              rank that owns them
-  group      what it is: embedding, norm, attention, latent (MLA's down projections to its low-rank q and kv,
-             kept in full precision on both sides), mlp, experts, shared_experts, router, output; the linear
+  group      what it is: embedding, norm, attention, latent (MLA's projections to its low-rank q and kv and
+             from the kv latent, kept in full precision on both sides), mlp, experts, shared_experts, router,
+             output; the linear
              groups a precision's scope can quantize are `LINEAR_GROUPS`
   shapes     the HF tensors' shapes from the config's `Shape` (what `qurl plan` counts)
   sglang     the SGLang module that holds these HF tensors (SGLang packs q/k/v and gate/up as Megatron does),

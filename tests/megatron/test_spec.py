@@ -67,6 +67,21 @@ def test_scope_all_adds_attention(megatron_ws1):
     assert "output_layer" not in names and not any("router" in n for n in names)
 
 
+def test_mla_keeps_its_latent_projections_full_precision_on_both_sides(megatron_ws1):
+    """SGLang decodes DeepSeek's MLA with W_uk, W_uv rebuilt in bf16 from the full-precision kv_b_proj on every
+    load and push: a quantized kv_b_proj would reach prefill only. Scope "all" quantizes q_b_proj and o_proj on
+    both sides, never kv_b_proj (Megatron's linear_kv_up_proj) or the down projections."""
+    from qurl_mcore.precision import quantized_linears
+
+    path = tiny_checkpoint("deepseek_v3")
+    names = {n.split(".", 3)[-1] for n in _quantized(build_gpt(path, recipe=resolve("fp4", "all")))
+             if ".self_attention." in n}
+    assert names == {"self_attention.linear_q_up_proj", "self_attention.linear_proj"}
+    for side in ("train", "rollout"):
+        attention = {n.split(".", 3)[-1] for n in quantized_linears(path, "fp4", "all", side) if ".self_attn." in n}
+        assert attention == {"self_attn.q_b_proj", "self_attn.o_proj"}
+
+
 def test_dense_experts_scope_is_the_mlp(megatron_ws1):
     names = _quantized(build_gpt(tiny_checkpoint("qwen3"), recipe=resolve("fp4_rc_train")))  # default scope: experts
     assert {n.split(".", 3)[-1] for n in names} == {"mlp.linear_fc1", "mlp.linear_fc2"}

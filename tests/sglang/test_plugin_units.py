@@ -61,8 +61,9 @@ SGLANG_MODULES = {
                   "mlp.experts": "experts", "mlp.shared_expert.gate_up_proj": "shared_experts",
                   "mlp.shared_expert.down_proj": "shared_experts", "mlp.shared_expert_gate": None},
 }
-_MLA = {"self_attn.fused_qkv_a_proj_with_mqa": None, "self_attn.q_b_proj": "attention",  # q_a, kv_a: "latent"
-        "self_attn.kv_b_proj": "attention", "self_attn.o_proj": "attention"}
+# q_a, kv_a and kv_b: "latent", never quantized (SGLang decodes with W_uk, W_uv rebuilt in bf16 from kv_b_proj)
+_MLA = {"self_attn.fused_qkv_a_proj_with_mqa": None, "self_attn.q_b_proj": "attention",
+        "self_attn.kv_b_proj": None, "self_attn.o_proj": "attention"}
 _GQA = {"self_attn.qkv_proj": "attention", "self_attn.o_proj": "attention"}
 _DENSE = {"mlp.gate_up_proj": "mlp", "mlp.down_proj": "mlp"}
 _SHARED_MOE = {"mlp.gate": None, "mlp.experts": "experts", "mlp.shared_experts.gate_up_proj": "shared_experts",
