@@ -27,7 +27,6 @@ from .models import ARCHITECTURES, resolve_model_path
 from .placement import placement_of, unplaceable
 from .models.registry import hf_linears, num_experts
 from .precision import METHODS, PRECISIONS, SCOPES, get_precision, quantized_linears
-from .recipe import te_experts_problem, te_fp8_available
 from .sglang.kernels import KERNEL_FORMATS
 from .sizing import GPUS, check_fits, local_gpu, model_config
 from .smoothing import fold_table, refusal
@@ -380,9 +379,6 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
         _parallel_checks(cfg, hf, out)
         if use_gpu:
             _memory_plan(cfg, hf, out, gpu)
-        problem = te_experts_problem(cfg.recipe(te_available=te_fp8_available(use_gpu)), num_experts(hf))
-        if problem:
-            out.problems.append(f"precision: {problem}")
         train = quantized_linears(hf, precision.name, scope, side="train")
         roll = quantized_linears(hf, precision.name, scope, side="rollout")
         mode = f"mode {precision.train}" if precision.trains_quantized else "full precision"

@@ -105,18 +105,6 @@ def check_runnable(recipe: Recipe) -> None:
                            "requirements/gpu-te.txt on every node of the run")
 
 
-def te_experts_problem(recipe: Recipe, experts: int) -> str | None:
-    """Why `recipe` cannot train a model of `experts` routed experts (0: dense), or None. On Transformer Engine
-    an MoE's expert fc1/fc2 are TE FP8 linears, run on the tokens the router gives each expert: any number,
-    and nothing pads them, while TE's FP8 GEMMs take only row counts that are multiples of 16."""
-    if not (recipe.te and experts and "experts" in recipe.train_groups):
-        return None
-    return (f"precision {recipe.precision.name!r} trains the {experts} routed experts as Transformer Engine FP8 "
-            "linears, which take only multiples of 16 tokens, and the router gives each expert any number "
-            "(unpadded): use precision fp8 (full-precision trainer, FP8 rollout) for this MoE model, or train "
-            "it where transformer_engine is not installed (the qurl_mcore.quant emulation takes any count)")
-
-
 def resolve(precision: str, scope: str = "auto", fmt: str | None = None, *,
             te_available: bool | None = None) -> Recipe:
     """The recipe of `precision` under `scope` ("auto": the precision's default) in `fmt` (None: its default

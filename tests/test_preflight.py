@@ -203,19 +203,3 @@ def test_smoothing_strength_and_the_precisions_it_serves(tmp_path, capsys):
     assert "rollout.smoothing: 0.5, but scope 'experts' quantizes none of the linears" in _problems(
         tmp_path, "model.path=tiny-qwen3_moe", "precision=int8", "scope=experts", "rollout.smoothing=0.5")
     assert "rollout.smoothing" not in _problems(tmp_path, "precision=fp4")  # 0: off, nothing to check
-
-
-def test_fp8_e2e_on_transformer_engine_is_refused_for_an_moe_and_allowed_where_it_pads_nothing(tmp_path):
-    """TE's FP8 GEMMs take multiples of 16 rows; an expert gets whatever number of tokens the router gives it.
-    Refused where the experts would be TE linears (a GPU with transformer_engine), with the fix; a dense model,
-    the emulation (no TE) and a full-precision trainer are not."""
-    from qurl_mcore.recipe import resolve, te_experts_problem
-
-    problem = te_experts_problem(resolve("fp8_e2e", te_available=True), 8)
-    assert "multiples of 16" in problem and "use precision fp8" in problem
-    assert te_experts_problem(resolve("fp8_e2e", te_available=True), 0) is None  # dense: the batch width is padded
-    assert te_experts_problem(resolve("fp8_e2e", te_available=False), 8) is None  # emulation: any token count
-    assert te_experts_problem(resolve("fp8", te_available=True), 8) is None  # the trainer runs full precision
-    # `--check` asks the same question with this machine's answer for TE (absent here: the emulation runs)
-    text = _problems(tmp_path, "model.path=tiny-qwen3_moe", "precision=fp8_e2e", use_gpu=False)
-    assert "multiples of 16" not in text
