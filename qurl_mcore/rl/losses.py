@@ -84,7 +84,11 @@ def policy_loss(
       still count in the normaliser.
     - ``acr``:       min(r, C) · min(R·A, clip(R, 1 − eps_low, u)·A), u = max(1 − eps_low, (1 + eps_high)/r)
       (QuRL's adaptive clipping range).
-    - ``acr_symmetric``: as ``acr`` with the lower bound adapted too: clip(R, (1 − eps_low)/r, (1 + eps_high)/r).
+    - ``acr_symmetric``: as ``acr`` with the lower bound adapted too: clip(R, (1 − eps_low)/r, (1 + eps_high)/r),
+      i.e. the range applied to the product: r·clip(R, ·) = clip(rR, 1 − eps_low, 1 + eps_high) for r ≤ C.
+    - ``acr_trunc``: the clipped objective on the ratio to QuRL's truncated behaviour policy
+      π_behav^trunc = max(π_behav, π_prox/C): with r̃ = min(r, C), r̃ · min(R·A, clip(R, (1 − eps_low)/r̃,
+      (1 + eps_high)/r̃)·A) = min(ρ̃·A, clip(ρ̃)·A), ρ̃ = r̃R. As ``acr_symmetric`` while r ≤ C.
 
     ACR derivation (QuRL §4.2). Since r > 0, r·min(x, y) = min(r·x, r·y) and
     r·clip(R, 1 − ε, 1 + ε) = clip(r·R, r(1 − ε), r(1 + ε)), so the decoupled objective is a clipped objective
@@ -163,12 +167,14 @@ def _surrogate(
         elif method == "mis":
             # Compared in log space so that the test agrees with metrics.importance_ratio_stats' masked_frac.
             weight = torch.where(log_r.abs() <= math.log(tis_cap), r, 0)
-        elif method != "ppo":  # tis, acr, acr_symmetric
+        elif method != "ppo":  # tis, acr, acr_symmetric, acr_trunc
             weight = r.clamp(max=tis_cap)
             if method == "acr":
                 upper = (upper / r).clamp(min=lower)
             elif method == "acr_symmetric":
                 lower, upper = lower / r, upper / r
+            elif method == "acr_trunc":
+                lower, upper = lower / weight, upper / weight
     clipped = ratio.clamp(min=lower).clamp(max=upper)
     return weight * torch.minimum(ratio * adv, clipped * adv), ratio, lower, upper
 
