@@ -22,7 +22,7 @@ from .fake import residual_quantize
 from .formats import get_format
 from .gemm import BACKENDS, quantized_matmul_sum
 from .granularity import GRANULARITIES, Granularity, PerBlock, PerRow, PerToken, for_format
-from .qtensor import QTensor, quantize
+from .qtensor import QTensor, no_host_reads, quantize
 
 MODES = ("bf16", "rc_none", "rc_forward", "rc_backward", "rc_both")
 
@@ -153,10 +153,21 @@ def quantized_linear(
 
 
 class QuantLinearFunction(torch.autograd.Function):
-    """Training: the forward and backward of the module docstring; weights are re-quantized every call."""
+    """Training: the forward and backward of the module docstring; weights are re-quantized every call, with
+    nothing read back to the host (`no_host_reads`: a non-finite value turns the loss NaN, and the step skips)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, spec: QuantLinearSpec):
+        with no_host_reads():
+            return QuantLinearFunction._forward(ctx, x, weight, bias, spec)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        with no_host_reads():  # the autograd engine may run this on another thread: the context is set again
+            return QuantLinearFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _forward(ctx, x, weight, bias, spec: QuantLinearSpec):
         ctx.spec = spec
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         x2 = x.reshape(-1, x.shape[-1])
@@ -174,7 +185,7 @@ class QuantLinearFunction(torch.autograd.Function):
         return _add_bias(y, bias).to(x.dtype).reshape(*x.shape[:-1], -1)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def _backward(ctx, grad_out):
         spec = ctx.spec
         x_saved, w_saved = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
