@@ -218,13 +218,14 @@ RECOMPUTE: dict[str, dict[str, Any]] = {
 
 def build_gpt(
     hf_config, *, recipe: Recipe | None = None, dtype: torch.dtype = torch.float32, recompute: str = "none",
-    core_attention: str | None = None, **overrides: Any
+    core_attention: str | None = None, experts: str | None = None, **overrides: Any
 ):
     """A randomly initialised GPTModel shaped like `hf_config` (object or checkpoint dir), its linears
     following the trainer side of `recipe` (`qurl_mcore.recipe.resolve`; None: full precision; see
     `gpt_spec`), its parameters `dtype` on the current device (the CUDA device when there is one), recomputing
     activations as `recompute` says (`RECOMPUTE`), with the core attention `core_attention`
-    (`spec.CORE_ATTENTION`; by default SDPA on CUDA, Megatron's local one on the CPU). Load weights with
+    (`spec.CORE_ATTENTION`; by default SDPA on CUDA, Megatron's local one on the CPU), the routed experts as
+    `experts` (`spec.EXPERTS`; by default `spec.experts_module`'s choice). Load weights with
     `convert.load_hf_weights`. FP8 training on Transformer Engine (`Recipe.te`) gets Megatron's fp8 settings."""
     recipe = as_recipe(recipe)
     hf = load_hf_config(hf_config)
@@ -237,7 +238,7 @@ def build_gpt(
     config = gpt_config(hf, **overrides)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_spec(config, recipe, core_attention=core_attention),
+        transformer_layer_spec=gpt_spec(config, recipe, core_attention=core_attention, experts=experts),
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,
