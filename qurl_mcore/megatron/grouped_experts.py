@@ -11,7 +11,7 @@ sorted by expert, in one grouped GEMM (`qurl_mcore.quant.grouped`):
 
 the numbers of `SequentialMLP` over the same quantized linears (quantization is per token, `row_grouped`
 granularities). Recipes whose activations share a scale across tokens (per-tensor) keep `SequentialMLP`
-(`spec.experts_module`).
+(`qurl_mcore.stack.experts`).
 """
 from __future__ import annotations
 

@@ -12,8 +12,9 @@ A precision that trains in full precision (bf16, and QuRL's int8/fp8) keeps ever
 
 The core attention is one of `CORE_ATTENTION`: torch's fused SDPA (attention.py; the default on CUDA, and
 what `qurl plan` sizes) or Megatron's unfused local one (the default on the CPU, bitwise the stock spec).
-The routed experts are one of `EXPERTS`: grouped GEMMs over the same parameters (grouped_experts.py; the
-default) or Megatron's SequentialMLP, one expert after another (`experts_module` says which and why).
+The routed experts are one of `EXPERT_MODULES`: grouped GEMMs over the same parameters (grouped_experts.py;
+the default) or Megatron's SequentialMLP, one expert after another (`qurl_mcore.stack.experts` says which and
+why).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from qurl_mcore.models.registry import megatron_slot
 from qurl_mcore.recipe import Recipe, resolve, te_fp8_available
+from qurl_mcore.stack import experts as default_experts
 
 from .attention import SDPAttention
 from .grouped_experts import GroupedExperts
@@ -80,21 +82,8 @@ def _latent(core: type) -> type:
 MLA_CORE_ATTENTION: dict[str, type] = {"local": _latent(DotProductAttention), "sdpa": _latent(SDPAttention)}
 
 
-#: experts name -> the module of an MoE layer's routed experts (both build SequentialMLP's parameters)
-EXPERTS: dict[str, type] = {"grouped": GroupedExperts, "sequential": SequentialMLP}
-
-
-def experts_module(recipe: Recipe) -> tuple[str, str]:
-    """(`EXPERTS` key, reason): grouped experts unless the recipe's expert linears cannot run grouped."""
-    if "experts" in recipe.train_groups and recipe.te:
-        return "sequential", ("Transformer Engine's FP8 linears per expert (its TEGroupedMLP has another "
-                              "parameter layout, which the HF conversion does not map)")
-    spec = recipe.train
-    if "experts" in recipe.train_groups and not all(
-            g.row_grouped for g in (spec.weight_granularity, spec.act_granularity, spec.grad_granularity)):
-        return "sequential", (f"per-{spec.act_granularity} scales span an expert's tokens, which a grouped "
-                              "GEMM's one pass over every expert's tokens cannot give")
-    return "grouped", "one grouped GEMM per projection over all local experts"
+#: `stack.EXPERTS` name -> the module of an MoE layer's routed experts (both build SequentialMLP's parameters)
+EXPERT_MODULES: dict[str, type] = {"grouped": GroupedExperts, "sequential": SequentialMLP}
 
 
 def default_attention() -> str:
@@ -136,16 +125,16 @@ def gpt_spec(config: TransformerConfig, recipe: Recipe | None = None,
     linears of its `train_groups`. Pass the result as `GPTModel(transformer_layer_spec=...)`. A
     full-precision trainer gets Megatron's local spec (apart from the norm under sequence parallelism, which
     the stock torch norm refuses, and the experts module). `core_attention`: a key of `CORE_ATTENTION`, by
-    default `default_attention()`; `experts`: a key of `EXPERTS`, by default `experts_module(recipe)`'s."""
+    default `default_attention()`; `experts`: a key of `EXPERT_MODULES`, by default `stack.experts(recipe)`'s."""
     recipe = as_recipe(recipe)
     _check_config(config, recipe)
     core_attention = core_attention or default_attention()
     if core_attention not in CORE_ATTENTION:
         raise ValueError(f"core_attention {core_attention!r} is not one of {list(CORE_ATTENTION)}")
-    experts = experts or experts_module(recipe)[0]
-    if experts not in EXPERTS:
-        raise ValueError(f"experts {experts!r} is not one of {list(EXPERTS)}")
-    moe = _layer(config, recipe, core_attention, config.num_moe_experts, EXPERTS[experts]) \
+    experts = experts or default_experts(recipe)[0]
+    if experts not in EXPERT_MODULES:
+        raise ValueError(f"experts {experts!r} is not one of {list(EXPERT_MODULES)}")
+    moe = _layer(config, recipe, core_attention, config.num_moe_experts, EXPERT_MODULES[experts]) \
         if config.num_moe_experts else None
     dense = _layer(config, recipe, core_attention, None)
     pattern = _moe_pattern(config)

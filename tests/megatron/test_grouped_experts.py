@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qurl_mcore.megatron.parallel import spawn
-from qurl_mcore.megatron.spec import experts_module
+from qurl_mcore.stack import experts as experts_module
 from qurl_mcore.models.tiny import tiny_checkpoint
 from qurl_mcore.recipe import resolve
 

@@ -148,10 +148,10 @@ def grouped_vs_sequential(path, ids: torch.Tensor, recipe) -> dict:
     """The largest |grouped − sequential| of the log-probs, of every gradient after backward of their sum, and of
     every parameter after one Adam step, for models with the same weights that differ only in the experts
     module; also the experts module each built."""
-    from qurl_mcore.megatron.spec import EXPERTS
+    from qurl_mcore.megatron.spec import EXPERT_MODULES
 
     out = {}
-    for experts in EXPERTS:
+    for experts in EXPERT_MODULES:
         model = build_gpt(path, recipe=recipe, experts=experts)
         load_hf_weights(model, path)
         lp = token_logprobs(model, ids, grad=True).logprobs
