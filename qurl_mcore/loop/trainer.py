@@ -326,7 +326,8 @@ class PolicyTrainer:
             values = torch.stack([torch.stack([r[k] for k in keys]) for r in records]).to(torch.float64)
             units = torch.stack([r["units"] for r in records]).to(torch.float64)
             bad = torch.stack([r["nonfinite"] for r in records])
-            ok = ~bad[:, None]  # a micro-batch with non-finite inputs counts 0 in every metric (nothing in a max)
+            # a micro-batch with non-finite inputs, or none to score, counts 0 in every metric (nothing in a max)
+            ok = (~bad & (units > 0))[:, None]
             sums = torch.cat([(units[:, None] * torch.where(ok, values, 0)).sum(0), (units * bad).sum().reshape(1),
                               units.sum().reshape(1)])
             highest = torch.where(ok, values, -math.inf).amax(0)

@@ -339,3 +339,25 @@ def test_a_micro_batch_reads_nothing_back_to_the_host():
         trainer.close()
     assert reads == [0, 0, 0]
     assert r.count == 1 and again["loss/total"] == metrics["loss/total"]
+
+
+def test_a_micro_batch_without_response_tokens_adds_nothing_to_the_update():
+    """A micro-batch whose rows score no token (a DP rank short of rows gets a fully masked one) gives the
+    update of the batch without it, and the step is not skipped."""
+    updates = []
+    for drop in (False, True):
+        trainer = _trainer("train.micro_batch_size=2")
+        try:
+            batch = _batch(trainer, behav_from_model=False)
+            if drop:
+                batch = batch.select(slice(0, 4))
+            else:
+                batch.response_mask[4:] = False
+            before = _params(trainer)
+            metrics = trainer.step(batch)
+            updates.append({n: p - before[n] for n, p in _params(trainer).items()})
+        finally:
+            trainer.close()
+        assert metrics["train/skipped_nonfinite"] == 0.0
+    for name, update in updates[0].items():
+        torch.testing.assert_close(update, updates[1][name], rtol=1e-5, atol=1e-7, msg=name)
