@@ -21,6 +21,9 @@ which sections the budget would run, without running them.
   trainer-moe    a tiny Qwen3-MoE step on the GPU without Transformer Engine
   gpu-tests      the `gpu`-marked tests (trainer, GEMM kernels, spec, the engine's host masters)
   quant-throughput quantize+dequantize, eager and compiled, vs a copy (benchmarks/quant_throughput.py)
+  trainer-experts grouped vs sequential experts, forward + backward of one layer at Qwen3-30B-A3B's expert shapes
+                 in bf16 and fp4_rc (benchmarks/trainer_step.py --experts), and whether torch._grouped_mm
+                 takes bf16 and fp32 operands on this GPU
 
 Models are random checkpoints written here (no tokenizer, no network).
 """
@@ -38,6 +41,7 @@ from pathlib import Path
 
 import quant_throughput
 import rollout_kernels
+import trainer_step
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,7 +221,8 @@ def cross_device() -> str:
 
 #: section -> its time budget in seconds (on the lent H200, measured with room), in the order they run
 SECTIONS = {"trainer-padded": 40, "trainer-overlap": 35, "trainer-tiny": 45, "gpu-tests": 90, "rollout-graphs": 25,
-            "rollout-decode": 40, "trainer-moe": 30, "rollout-requant": 80, "trainer-1b": 110, "quant-throughput": 110}
+            "rollout-decode": 40, "trainer-moe": 30, "rollout-requant": 80, "trainer-1b": 110, "quant-throughput": 110,
+            "trainer-experts": 90}
 #: the default budget: the sections that fit, with the script's setup, in under 5 minutes
 BUDGET_S = 240.0
 
@@ -307,10 +312,25 @@ def main() -> None:
                 + ", ".join(f"{fmt}/{gran} {e:.1f}/{c:.1f}" for fmt, gran, e, c, _ in rows)
                 + f"; compiled DIFFERS from eager: {', '.join(differ)}" * bool(differ) + "; GPU vs CPU: " + cross_device())
 
+    def experts():
+        import torch
+
+        def takes(dtype):
+            a, b = torch.ones(32, 64, dtype=dtype, device="cuda"), torch.ones(2, 64, 64, dtype=dtype, device="cuda")
+            try:
+                torch._grouped_mm(a, b, offs=torch.tensor([16, 32], dtype=torch.int32, device="cuda"))
+                return "yes"
+            except RuntimeError as err:
+                return f"no ({str(err)[:80]})"
+
+        shape = "qwen3-30b-a3b"
+        return (trainer_step.experts_report(shape, trainer_step.experts_seconds(shape, repeats=2, device="cuda"))
+                + f"; torch._grouped_mm bf16 {takes(torch.bfloat16)}, fp32 {takes(torch.float32)}")
+
     bodies = {"trainer-padded": lambda: padded_section("cuda"), "trainer-overlap": overlap_section, "trainer-tiny": tiny, "gpu-tests": gpu_tests,
               "rollout-graphs": graphs, "rollout-decode": decode, "trainer-moe": moe,
               "rollout-requant": requant,  # compiling 3 formats included
-              "trainer-1b": one_b, "quant-throughput": throughput}
+              "trainer-1b": one_b, "quant-throughput": throughput, "trainer-experts": experts}
     spent = 0.0  # a dry run counts each section it would run at its budget
     for name in only or SECTIONS:
         left = args.budget_s - spent if args.dry_run else deadline - time.monotonic()

@@ -30,6 +30,7 @@ from .precision import METHODS, PRECISIONS, SCOPES, get_precision, quantized_lin
 from .sglang.kernels import KERNEL_FORMATS
 from .sizing import GPUS, check_fits, local_gpu, model_config
 from .smoothing import fold_table, refusal
+from .stack import Stack, experts, fusions
 from .tasks import addition_examples, chat_ids, load_reward, scan_examples
 
 
@@ -353,6 +354,20 @@ def _placement(cfg: Config, use_gpu: bool, out: Preflight, local: bool) -> None:
                        f"{len(placement.bundles)} bundle(s), {devices:g} {placement.device}(s) in all")
 
 
+def _kernel_lines(cfg: Config, moe: bool, out: Preflight) -> None:
+    """The trainer's Megatron fusions on this process's stack (a trainer node's may differ: the rank decides
+    with the same table, `stack.fusions`) and, for an MoE model, its experts module."""
+    choice = fusions(Stack.installed())
+    on = [name for name, (yes, _) in choice.items() if yes]
+    out.summary.append(f"  fusions     {', '.join(on) or 'none'} on (this node's stack)")
+    for name, (yes, why) in choice.items():
+        if not yes:
+            out.summary.append(f"              {name} off: {why}")
+    if moe:
+        name, why = experts(cfg.recipe())
+        out.summary.append(f"  experts     {name}: {why}")
+
+
 def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu: str | None = None) -> Preflight:
     """Check `cfg` as a whole (the fields themselves were checked by `load_config`). `use_gpu`: whether the
     run targets GPUs (default: whether this machine has one, or a `gpu` is named); `local`: the run starts its
@@ -396,6 +411,7 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
     out.summary.append(f"  loss        {t.loss} (eps {t.eps_low}/{t.eps_high}), {t.advantage} advantages, lr {t.lr}, "
                        f"{cfg.data.prompts_per_step} prompts x {r.samples_per_prompt} samples per step, "
                        f"{cfg.steps} steps")
+    _kernel_lines(cfg, model is not None and num_experts(model[1]) > 0, out)
     out.summary.append("  uaq         " + (f"on, s = {cfg.uaq.scale}" if cfg.uaq.enabled else "off"))
     _eval_rules(cfg, out)
     out.summary.append(f"  outputs     checkpoints {cfg.checkpoint.dir} (every {cfg.checkpoint.every}), "
