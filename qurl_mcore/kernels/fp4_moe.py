@@ -32,7 +32,8 @@ def fp4_moe_gemm(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, w_scale: t
     fp4_gemm.fp4_moe_gemm[grid](
         a, a.stride(0), w, w.stride(0), w.stride(1), w_scale, w_scale.stride(0), w_scale.stride(1), w_global,
         out, out.stride(0), sorted_ids, block_expert, padded, out.shape[0], n, k,
-        A_DIV=a_div, NV=nv, RC=rc, GATED=gated, BS=block, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+        A_DIV=a_div, NV=nv, RC=rc, GATED=gated, BS=block, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        enable_fp_fusion=False)  # no FMA contraction: X − Q(X) rounds Q(X) first, as `residual_quantize` does
 
 
 @fp4_moe_gemm.register_fake
