@@ -153,23 +153,23 @@ MOE_BATCHES = (1, 8, 64, 256)
 MOE_METHODS = (("qurl_fp4", "nvfp4"), ("qurl_fp4_rc", "nvfp4"), ("qurl_fp4", "mxfp4"), ("qurl_fp4_rc", "mxfp4"))
 
 
-def moe_case(model: str, batch: int, device: str, method: str, fmt: str, scale: int = 1):
-    """One MoE layer's experts at `model`'s shape (each dimension / `scale`, experts too): bf16 weights
-    [E, 2I, H] and [E, H, I], those quantized and stacked as the engine holds them, tokens and a routing."""
-    from qurl_mcore.sglang.weights import stack
-
+def moe_weights(model: str, device: str, scale: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One MoE layer's bf16 expert weights at `model`'s shape (each dimension / `scale`, experts too):
+    W13 [E, 2I, H], W2 [E, H, I], and the top-k."""
     hidden, inter, experts, k = MOE_SHAPES[model]
     hidden, inter, experts = hidden // scale, inter // scale, max(k, experts // scale)
-    g = torch.Generator(device).manual_seed(batch)
+    g = torch.Generator(device).manual_seed(0)
     w13 = torch.randn(experts, 2 * inter, hidden, device=device, generator=g, dtype=torch.bfloat16) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, device=device, generator=g, dtype=torch.bfloat16) / inter**0.5
-    spec = engine_recipe(method, fmt).spec
-    q13, _ = stack([quantize_weight(w, spec) for w in w13])
-    q2, _ = stack([quantize_weight(w, spec) for w in w2])
+    return w13, w2, k
+
+
+def moe_inputs(batch: int, hidden: int, experts: int, k: int, device: str):
+    """`batch` bf16 tokens and their routing: top-k of random scores, weights normalised over the k."""
+    g = torch.Generator(device).manual_seed(batch)
     x = torch.randn(batch, hidden, device=device, generator=g, dtype=torch.bfloat16)
-    scores = torch.rand(batch, experts, device=device, generator=g)
-    p, ids = scores.topk(k, dim=1)
-    return spec, (w13, w2), (q13, q2), x, (p / p.sum(1, keepdim=True)), ids.to(torch.int32)
+    p, ids = torch.rand(batch, experts, device=device, generator=g).topk(k, dim=1)
+    return x, p / p.sum(1, keepdim=True), ids.to(torch.int32)
 
 
 def sglang_installed() -> bool:
@@ -215,29 +215,39 @@ def bf16_moe(x, p, ids, w13, w2, sglang: bool) -> torch.Tensor:
 def fp4_moe_rows(device: str, batches=MOE_BATCHES, scale: int = 1, repeats: int = 20,
                  methods=MOE_METHODS) -> list[tuple[str, str, int, float | None, float]]:
     """[(model, method/fmt, batch, bf16 time / FP4 kernel time (None on the CPU), the kernel's largest error
-    against `experts_forward` / the largest output)], both sides replayed from CUDA graphs on a GPU."""
+    against `experts_forward` / the largest output)], both sides replayed from CUDA graphs on a GPU; the
+    experts quantized and stacked as the engine holds them (`weights.stack`)."""
     from qurl_mcore.kernels.fp4_moe import fp4_experts
     from qurl_mcore.quant.experts import experts_forward
+    from qurl_mcore.sglang.weights import stack
 
     rows = []
-    for model, batch, (method, fmt) in itertools.product(MOE_SHAPES, batches, methods):
-        spec, (w13, w2), (q13, q2), x, p, ids = moe_case(model, batch, device, method, fmt, scale)
-        out = fp4_experts(x, p, ids, q13, q2, spec)
-        ref = experts_forward(x, p, ids, q13, q2, spec)
-        error = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
-        ratio = None
-        if device == "cuda":
-            fp4 = _captured(lambda x, p, ids: fp4_experts(x, p, ids, q13, q2, spec), x, p, ids)[0]
-            bf16 = _captured(lambda x, p, ids: bf16_moe(x, p, ids, w13, w2, sglang_installed()), x, p, ids)[0]
-            ratio = median_seconds(bf16.replay, repeats) / median_seconds(fp4.replay, repeats)
-        rows.append((model, f"{method}/{fmt}", batch, ratio, error))
+    for model in MOE_SHAPES:
+        w13, w2, k = moe_weights(model, device, scale)
+        for method, fmt in methods:
+            spec = engine_recipe(method, fmt).spec
+            q13, _ = stack([quantize_weight(w, spec) for w in w13])
+            q2, _ = stack([quantize_weight(w, spec) for w in w2])
+            for batch in batches:
+                x, p, ids = moe_inputs(batch, w13.shape[2], w13.shape[0], k, device)
+                out = fp4_experts(x, p, ids, q13, q2, spec)
+                ref = experts_forward(x, p, ids, q13, q2, spec)
+                error = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+                ratio = None
+                if device == "cuda":
+                    fp4 = _captured(lambda x, p, ids: fp4_experts(x, p, ids, q13, q2, spec), x, p, ids)[0]
+                    bf16 = _captured(lambda x, p, ids: bf16_moe(x, p, ids, w13, w2, sglang_installed()), x, p, ids)[0]
+                    ratio = median_seconds(bf16.replay, repeats) / median_seconds(fp4.replay, repeats)
+                rows.append((model, f"{method}/{fmt}", batch, ratio, error))
+            del q13, q2
     return rows
 
 
 def bf16_moe_errors(device: str, scale: int = 1) -> dict[str, float]:
     """{baseline: its largest error against bf16 torch ops slot by slot, relative to the largest output} at
     Qwen3-30B-A3B's shape (/ `scale`), batch 8: both baselines, SGLang's where it is installed."""
-    _, (w13, w2), _, x, p, ids = moe_case("Qwen3-30B-A3B", 8, device, *MOE_METHODS[0], scale)
+    w13, w2, k = moe_weights("Qwen3-30B-A3B", device, scale)
+    x, p, ids = moe_inputs(8, w13.shape[2], w13.shape[0], k, device)
     ref = torch.zeros(x.shape, dtype=torch.float32, device=device)
     for t, j in itertools.product(range(ids.shape[0]), range(ids.shape[1])):
         gate, up = (x[t] @ w13[ids[t, j]].t()).chunk(2)
