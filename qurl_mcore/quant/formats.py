@@ -41,8 +41,9 @@ class ScaleEncoding(Enum):
 
 
 #: GEMM kernels that take a format's codes as stored: `quant.gemm`'s backends (torch._int_mm, torch._scaled_mm)
-#: and SGLang's W8A8 kernels (`qurl_mcore.sglang.kernels`), with per-tensor/row scales
-INT_MM, SCALED_MM, SGLANG_W8A8 = "int8", "fp8", "sglang_w8a8"
+#: and SGLang's W8A8 kernels (`qurl_mcore.sglang.kernels`), with per-tensor/row scales; and the fused FP4
+#: Triton GEMMs (`qurl_mcore.kernels`), on the format's own blocks
+INT_MM, SCALED_MM, SGLANG_W8A8, TRITON_FP4 = "int8", "fp8", "sglang_w8a8", "triton_fp4"
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class FormatSpec:
     """A format's facts: its element `family` and `bits`, its largest value, the dtype that stores its codes
     (FP4: two per uint8), its scale encoding, its own block length along the last (reduction) dimension
     (None: scales follow the granularity) and the GEMM `kernels` that take it (`INT_MM`, `SCALED_MM`,
-    `SGLANG_W8A8`; emulation takes every format)."""
+    `SGLANG_W8A8`, `TRITON_FP4`; emulation takes every format)."""
 
     name: str
     family: Family
@@ -89,8 +90,10 @@ FORMATS: dict[str, FormatSpec] = {f.name: f for f in (
     FormatSpec("fp8_e4m3", Family.FP8, 8, E4M3_MAX, torch.float8_e4m3fn, ScaleEncoding.FP32,
                kernels=frozenset({SCALED_MM, SGLANG_W8A8})),
     FormatSpec("fp8_e5m2", Family.FP8, 8, E5M2_MAX, torch.float8_e5m2, ScaleEncoding.FP32),
-    FormatSpec("nvfp4", Family.FP4, 4, E2M1_MAX, torch.uint8, ScaleEncoding.E4M3_FP32, block=16),
-    FormatSpec("mxfp4", Family.FP4, 4, E2M1_MAX, torch.uint8, ScaleEncoding.E8M0, block=32),
+    FormatSpec("nvfp4", Family.FP4, 4, E2M1_MAX, torch.uint8, ScaleEncoding.E4M3_FP32, block=16,
+               kernels=frozenset({TRITON_FP4})),
+    FormatSpec("mxfp4", Family.FP4, 4, E2M1_MAX, torch.uint8, ScaleEncoding.E8M0, block=32,
+               kernels=frozenset({TRITON_FP4})),
 )}
 
 
