@@ -30,10 +30,12 @@ from .precision import METHODS, PRECISIONS, SCOPES, get_precision, quantized_lin
 from .sglang.kernels import KERNEL_FORMATS
 from .sizing import GPUS, check_fits, local_gpu, model_config
 from .smoothing import fold_table, refusal
-from .tasks import addition_examples, chat_ids, load_reward, scan_examples
+from .tasks import (REWARDS, Example, addition_examples, chat_ids, load_reward, prompt_file_problem,
+                    replies_stating, scan_examples, score_all)
 
 
 BAD_ROWS_NAMED = 5  # the check counts every bad prompt row and names the first few
+REWARD_PROBE_ROWS = 8  # the reward is scored on replies stating the answers of the first rows
 
 
 @dataclass
@@ -66,8 +68,8 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
     t, r, d = cfg.train, cfg.rollout, cfg.data
     if d.task == "file" and not d.path:
         out.problems.append("data.path: task 'file' needs the path of a .jsonl or .parquet prompt file")
-    elif d.task == "file" and not Path(d.path).is_file():
-        out.problems.append(f"data.path: {d.path} does not exist")
+    elif d.task == "file" and prompt_file_problem(d.path):
+        out.problems.append(f"data.path: {prompt_file_problem(d.path)}")
     for name, path in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir)):
         problem = _unwritable(Path(path))
         if problem:
@@ -156,7 +158,7 @@ def _prompt_rows(cfg: Config, out: Preflight, model_path: str | None) -> None:
     rollout.max_new_tokens of rollout.context_length for the answer. The first few bad rows are named, all
     are counted."""
     d, r = cfg.data, cfg.rollout
-    if d.task != "file" or not d.path or not Path(d.path).is_file():
+    if d.task != "file" or not d.path or prompt_file_problem(d.path):
         return  # the field rules named the path
     budget = r.context_length - r.max_new_tokens  # the field rules refuse a budget of 0 or less
     tokenizer = None
@@ -164,13 +166,16 @@ def _prompt_rows(cfg: Config, out: Preflight, model_path: str | None) -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-    bad, rows, longest = [], 0, 0
+    bad, rows, longest, first = [], 0, 0, []
     try:
         for where, example in scan_examples(d.path, prompt_key=d.prompt_key, answer_key=d.answer_key):
             rows += 1
             if isinstance(example, str):
                 bad.append(example)
-            elif tokenizer is not None:
+                continue
+            if len(first) < REWARD_PROBE_ROWS:
+                first.append(example)
+            if tokenizer is not None:
                 length = len(chat_ids(tokenizer, example, d.system_prompt))
                 longest = max(longest, length)
                 if length > budget:
@@ -187,6 +192,34 @@ def _prompt_rows(cfg: Config, out: Preflight, model_path: str | None) -> None:
         out.problems.append(f"data.path: {d.path} holds no prompts")
     if tokenizer is not None and rows:
         out.summary.append(f"  data        {rows} prompts, the longest {longest} tokens (room: {budget})")
+    if first:
+        _reward_probe(cfg, first, out)
+
+
+def _reward_probe(cfg: Config, examples: list[Example], out: Preflight) -> None:
+    """data.reward scored on replies that state the answers of the data's first rows (`replies_stating`): a
+    reward that pays none of them would pay nothing all run, every advantage zero (the answer key names the
+    wrong field, or the answers are of a kind the reward does not read). A built-in reward is refused; a
+    user's, whose reply format the check cannot know, gets a note."""
+    d = cfg.data
+    try:
+        fn = load_reward(d.reward)
+    except ValueError:
+        return  # the field rules named it
+    pairs = [(reply, ex.answer) for ex in examples for reply in replies_stating(d.reward, ex.answer)]
+    scores, stats = score_all(fn, [reply for reply, _ in pairs], [answer for _, answer in pairs])
+    if any(score > 0 for score in scores):
+        return
+    raised = f", raising {stats.messages[0]}" if stats.errors else ""
+    why = (f"data.reward: {d.reward} pays nothing for a reply that states the answer, on each of the first "
+           f"{len(examples)} rows (the first answer: {examples[0].answer!r}{raised}), so it would pay nothing all "
+           f"run: data.answer_key {d.answer_key!r} may name the wrong field (verl's layout: "
+           "reward_model.ground_truth), or the answers are of a kind the reward does not read (data.reward=math "
+           "reads LaTeX and expressions)")
+    if d.reward in REWARDS:
+        out.problems.append(why)
+    else:
+        out.summary.append(f"  note        {why}; unless your reward reads another form of reply, fix it")
 
 
 def _unwritable(path: Path) -> str | None:

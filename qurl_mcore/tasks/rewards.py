@@ -43,6 +43,15 @@ def first_number_reward(response: str, answer: str) -> float:
 
 
 REWARDS: dict[str, RewardFn] = {"math": math_reward, "first_number": first_number_reward}
+#: a reply that states `answer` as each built-in reward reads it: the reward pays it in full
+_STATED: dict[str, Callable[[str], str]] = {"math": lambda answer: f"The answer is $\\boxed{{{answer}}}$.",
+                                            "first_number": lambda answer: answer}
+
+
+def replies_stating(reward: str, answer: str) -> list[str]:
+    """Replies that a reward named `reward` should pay for `answer` (`qurl train --check` scores the data's
+    answers with them): a built-in reward's own form; for a user's, the bare answer and the answer boxed."""
+    return [_STATED[reward](answer)] if reward in _STATED else [answer, f"\\boxed{{{answer}}}"]
 #: `package.module:function`, the form of a user's reward
 DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
