@@ -226,7 +226,11 @@ def _export(args: argparse.Namespace) -> int:
         # lazy: loads torch and Megatron-Core, not at `qurl --help`
         from .export import export_checkpoint
         from .megatron.export import claim_output, unscale_hf_checkpoint
+        from .preflight import unwritable
 
+        problem = unwritable(Path(out))  # before the ranks start: their failure would come back as a traceback
+        if problem:
+            raise ValueError(f"{problem}; give a directory the export can write")
         claim_output(out, src, force=args.force)
         out = (unscale_hf_checkpoint(src, out, args.uaq_scale) if hf_dir
                else export_checkpoint(src, out, dtype=args.dtype))

@@ -71,7 +71,7 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
     elif d.task == "file" and prompt_file_problem(d.path):
         out.problems.append(f"data.path: {prompt_file_problem(d.path)}")
     for name, path in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir)):
-        problem = _unwritable(Path(path))
+        problem = unwritable(Path(path))
         if problem:
             out.problems.append(f"{name}: {problem}; the run would stop at its first write, losing its steps")
     if t.advantage in ("grpo", "rloo") and r.samples_per_prompt < 2:
@@ -222,7 +222,7 @@ def _reward_probe(cfg: Config, examples: list[Example], out: Preflight) -> None:
         out.summary.append(f"  note        {why}; unless your reward reads another form of reply, fix it")
 
 
-def _unwritable(path: Path) -> str | None:
+def unwritable(path: Path) -> str | None:
     """Why nothing could be written at `path`, or None: proven by creating it if missing and writing a file in
     it (permissions alone do not say: root passes every access check, /proc refuses root), then removing what
     was made."""
