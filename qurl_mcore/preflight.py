@@ -119,6 +119,16 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
         out.problems.append(f"data.reward: {err}")
 
 
+def _logging_rules(cfg: Config, out: Preflight) -> None:
+    """logging.wandb_project needs wandb where the driver runs: an optional package (requirements/wandb.txt),
+    imported only at the run's first log."""
+    project = cfg.logging.wandb_project
+    if project and importlib.util.find_spec("wandb") is None:
+        out.problems.append(f"logging.wandb_project: {project!r} logs to Weights & Biases, but wandb is not "
+                            "installed here; pip install -r requirements/wandb.txt (or the package's [wandb] "
+                            "extra), or leave logging.wandb_project empty")
+
+
 def _compile_toolchain(use_gpu: bool) -> str | None:
     """What torch.compile's inductor lacks here, or None: Triton on GPUs, a C++ compiler ($CXX, else g++) on CPUs."""
     if use_gpu:
@@ -398,6 +408,7 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
         use_gpu = torch.cuda.is_available()
     precision, scope, fmt = cfg.resolved_precision()
     _field_rules(cfg, out, use_gpu)
+    _logging_rules(cfg, out)
     model = _model_config(cfg, out)
     if model is None and gpu is not None:  # planning for a cluster from here: its checkpoints may not be here
         model = _model_card(cfg, out)

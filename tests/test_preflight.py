@@ -164,6 +164,39 @@ def test_a_directory_given_as_data_path_is_named_a_directory(tmp_path):
             in _problems(tmp_path, "data.task=file", f"data.path={tmp_path}"))
 
 
+def test_a_wandb_project_needs_wandb_importable(tmp_path, monkeypatch):
+    """wandb is an extra (requirements/wandb.txt), not in the CPU set: a project without it would fail at the
+    run's first log, so the check refuses it; with wandb on the path it passes."""
+    import importlib.util
+
+    project = ["logging.wandb_project=demo"]
+    if importlib.util.find_spec("wandb") is None:
+        assert ("logging.wandb_project: 'demo' logs to Weights & Biases, but wandb is not installed here; pip "
+                "install -r requirements/wandb.txt") in _problems(tmp_path, *project)
+    package = tmp_path / "site" / "wandb"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert "logging.wandb_project" not in _problems(tmp_path, *project)
+    assert "logging.wandb_project" not in _problems(tmp_path)  # no project, nothing asked of wandb
+
+
+def test_the_wandb_extra_installs_the_requirements_file_and_the_cpu_set_does_not(monkeypatch):
+    import runpy
+    from pathlib import Path
+
+    import setuptools
+
+    root = Path(__file__).parent.parent
+    given = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: given.update(kw))
+    runpy.run_path(str(root / "setup.py"))
+    pins = [line for line in (root / "requirements" / "wandb.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert given["extras_require"]["wandb"] == pins and pins[0].startswith("wandb")
+    assert "wandb" not in (root / "requirements" / "cpu.txt").read_text()
+
+
 def test_placements_that_cannot_fit(tmp_path):
     cpus = os.cpu_count()
     text = _problems(tmp_path, f"train.dp_size={cpus + 1}", local=True)
