@@ -25,16 +25,21 @@ from .config import Config
 from .heldout import eval_examples, greedy_repeats
 from .models import ARCHITECTURES, resolve_model_path
 from .placement import placement_of, unplaceable
-from .models.registry import hf_linears, num_experts
+from .models.registry import hf_linears, num_experts, shape
 from .precision import METHODS, PRECISIONS, SCOPES, get_precision, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
-from .sizing import GPUS, check_fits, local_gpu, model_config
+from .runlock import in_use
+from .sizing import GPUS, check_fits, local_gpu, model_config, parameter_count
 from .smoothing import fold_table, refusal
 from .tasks import (REWARDS, Example, addition_examples, chat_ids, load_reward, prompt_file_problem,
                     replies_stating, scan_examples, score_all)
 
 
 BAD_ROWS_NAMED = 5  # the check counts every bad prompt row and names the first few
+# the CPU demo's step (README: 18 s, 8 prompts x 6 samples of up to 6 new tokens, SmolLM2-135M's 134.5M
+# parameters, 2 cores): what `--check` scales a CPU run's step time from
+CPU_DEMO_STEP_S = 18.0
+CPU_DEMO_WORK = 134_515_008 * 8 * 6 * 6
 REWARD_PROBE_ROWS = 8  # the reward is scored on replies stating the answers of the first rows
 
 
@@ -117,6 +122,32 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
         load_reward(d.reward)
     except ValueError as err:
         out.problems.append(f"data.reward: {err}")
+
+
+def _lock_rules(cfg: Config, out: Preflight) -> None:
+    """The run's directories are free: a run that holds one (qurl_mcore/runlock.py) is named."""
+    for name, path in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir)):
+        problem = in_use(path)
+        if problem:
+            out.problems.append(f"{name}: {problem}")
+
+
+def _cpu_step(cfg: Config, hf: dict[str, Any], out: Preflight) -> None:
+    """On CPUs, a step's time scaled from the CPU demo's by parameters x sampled tokens (the work of rollout and
+    training both grows with it); a step of hours is warned of. The trainer's memory does not grow with the
+    batch (micro-batches of train.micro_batch_size)."""
+    r = cfg.rollout
+    samples = cfg.data.prompts_per_step * r.samples_per_prompt
+    work = parameter_count(shape(hf)) * samples * r.max_new_tokens
+    seconds = CPU_DEMO_STEP_S * work / CPU_DEMO_WORK
+    when = next(f"{seconds / unit:.3g} {name}" for unit, name in ((86400, "days"), (3600, "h"), (60, "min"), (1, "s"))
+                if seconds >= unit or unit == 1)
+    out.summary.append(f"  cpu step    ~{when} a step: {samples} samples of up to {r.max_new_tokens} new tokens, "
+                       f"scaled from the CPU demo's {CPU_DEMO_STEP_S:g} s step on 2 cores by parameters x samples x "
+                       "new tokens")
+    if seconds > 3600:
+        out.summary.append(f"  warning     a step of {samples} samples takes hours on CPUs: lower "
+                           "data.prompts_per_step or rollout.samples_per_prompt, or run on GPUs")
 
 
 def _logging_rules(cfg: Config, out: Preflight) -> None:
@@ -408,6 +439,7 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
         use_gpu = torch.cuda.is_available()
     precision, scope, fmt = cfg.resolved_precision()
     _field_rules(cfg, out, use_gpu)
+    _lock_rules(cfg, out)
     _logging_rules(cfg, out)
     model = _model_config(cfg, out)
     if model is None and gpu is not None:  # planning for a cluster from here: its checkpoints may not be here
@@ -423,6 +455,8 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
         _parallel_checks(cfg, hf, out)
         if use_gpu:
             _memory_plan(cfg, hf, out, gpu)
+        else:
+            _cpu_step(cfg, hf, out)
         train = quantized_linears(hf, precision.name, scope, side="train")
         roll = quantized_linears(hf, precision.name, scope, side="rollout")
         mode = f"mode {precision.train}" if precision.trains_quantized else "full precision"

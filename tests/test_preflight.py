@@ -197,6 +197,31 @@ def test_the_wandb_extra_installs_the_requirements_file_and_the_cpu_set_does_not
     assert "wandb" not in (root / "requirements" / "cpu.txt").read_text()
 
 
+def test_directories_another_run_holds_are_refused_naming_the_run(tmp_path):
+    """A run's lock (qurl_mcore/runlock.py) on its checkpoint.dir: the check names the holder, as the run would
+    at its start, and takes nothing itself; once the run ends the directory is ready again."""
+    from qurl_mcore.runlock import lock_dirs
+
+    with lock_dirs(tmp_path / "ckpt", command="qurl train --config first.yaml"):
+        text = _problems(tmp_path)
+        assert (f"checkpoint.dir: {(tmp_path / 'ckpt').resolve()} is in use by another run: pid {os.getpid()} on "
+                in text and "(qurl train --config first.yaml)" in text)
+        assert "logging.dir:" not in text
+    assert "checkpoint.dir:" not in _problems(tmp_path)
+
+
+def test_a_cpu_step_is_estimated_and_a_huge_one_warned_of(tmp_path):
+    """On CPUs the check scales the demo's step time by parameters x samples x new tokens: the demo's own
+    config gets the demo's 18 s, a 131k-sample step hours, with a warning and the levers."""
+    demo = ["data.prompts_per_step=8", "rollout.samples_per_prompt=6", "rollout.max_new_tokens=6"]
+    assert "cpu step    ~18 s a step: 48 samples" in _problems(tmp_path, "model.path=smollm2", *demo, use_gpu=False)
+    huge = _problems(tmp_path, "model.path=smollm2", "data.prompts_per_step=2048", "rollout.samples_per_prompt=64",
+                     "rollout.max_new_tokens=6", use_gpu=False)
+    assert "cpu step    ~13.7 h a step: 131072 samples of up to 6 new tokens" in huge
+    assert "warning     a step of 131072 samples takes hours on CPUs: lower data.prompts_per_step" in huge
+    assert "cpu step" not in _problems(tmp_path, *demo, use_gpu=True)  # GPUs: the memory plan instead
+
+
 def test_placements_that_cannot_fit(tmp_path):
     cpus = os.cpu_count()
     text = _problems(tmp_path, f"train.dp_size={cpus + 1}", local=True)
