@@ -35,3 +35,11 @@ def test_the_troubleshooting_exit_codes_are_qurl_trains():
     assert (f"`qurl train` exits {EXIT_FAILED} when the run failed and {EXIT_STOPPED} when it stopped with a "
             "checkpoint") in text
     assert f"Every command exits {EXIT_BAD_CONFIG} on bad input" in text
+
+
+def test_the_readme_says_one_thing_about_gpus():
+    """The current tree has not run on a GPU; an earlier one's trainer checks ran on an H200: the README may say
+    both, but never that this tree has run on one."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "current tree has not run on a GPU" in text
+    assert not re.search(r"(?<!earlier tree's )(path|trainer) has run on one H200", text)
