@@ -40,10 +40,13 @@ def test_null_answers_and_empty_prompts_are_bad_rows(tmp_path):
 
 def test_parquet_with_chat_prompts(tmp_path):
     path = tmp_path / "math.parquet"
-    table = pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "Compute 1/2+1/4."}], "solution": "3/4"}])
+    table = pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "Compute 1/2+1/4."}], "solution": "3/4",
+                                   "reward_model": {"style": "rule", "ground_truth": "3/4"}}])
     pq.write_table(table, path)
     (ex,) = load_examples(path, prompt_key="prompt", answer_key="solution")
     assert ex.messages == ({"role": "user", "content": "Compute 1/2+1/4."},) and ex.answer == "3/4"
+    # verl's parquet files: reward_model is a struct column, read as the object it is
+    assert load_examples(path, prompt_key="prompt", answer_key="reward_model.ground_truth") == [ex]
 
 
 def test_bad_prompt_files_are_explained(tmp_path):
