@@ -1,7 +1,8 @@
 """`qurl train --check`: every rule that involves more than one field, checked before anything starts.
 
 `preflight(cfg)` reads the model's config.json, its weights' headers and its tokenizer (every prompt row is
-measured by it), applies the precision table and the placement rules, and returns the problems (each naming the fields and the fix) together with a summary of
+measured by it), scores the reward on the first rows' answers, checks that no other run holds the run's
+directories, applies the precision table and the placement rules, and returns the problems (each naming the fields and the fix) together with a summary of
 the resolved run: the precision of each side and the linears each quantizes, the layout and where the
 actors go. Nothing here starts Ray, Megatron or SGLang, or imports them; `qurl train` runs the same
 checks first and refuses to start on any problem.
