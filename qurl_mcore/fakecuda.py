@@ -38,6 +38,7 @@ Never on a real run's path: tests and `qurl plan --trace` use it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import os
@@ -79,6 +80,9 @@ GPUS: dict[str, Gpu] = {gpu.name: gpu for gpu in (
 )}
 #: the shim's device guard (c10's FakeGuardImpl) knows this many devices
 MAX_DEVICES = 8
+#: `torch.version.cuda` inside the context: the first CUDA release that builds for every GPU of `GPUS` (SM100
+#: needs 12.8), so version-gated branches (SGLang's `is_sm100_supported`: SM100 and CUDA >= 12.8) are taken
+CUDA_VERSION = "12.8"
 
 
 class NcclDeviceError(RuntimeError):
@@ -342,7 +346,8 @@ def _cuda_answers(devices: int, gpu: Gpu, trace: Trace) -> dict[str, Any]:
 
     def properties(device=None):
         return types.SimpleNamespace(name=gpu.name, total_memory=gpu.memory_bytes, major=gpu.capability[0],
-                                     minor=gpu.capability[1], multi_processor_count=gpu.multi_processor_count)
+                                     minor=gpu.capability[1], multi_processor_count=gpu.multi_processor_count,
+                                     is_integrated=False, is_multi_gpu_board=False)
 
     def allocated(device=None) -> int:
         trace._prune()
@@ -352,7 +357,8 @@ def _cuda_answers(devices: int, gpu: Gpu, trace: Trace) -> dict[str, Any]:
         is_available=lambda: True, device_count=lambda: devices, is_initialized=lambda: True,
         current_device=torch._C._accelerator_getDeviceIndex, set_device=set_device, device=device_,
         get_device_capability=lambda device=None: gpu.capability, get_device_properties=properties,
-        get_device_name=lambda device=None: gpu.name,
+        get_device_name=lambda device=None: gpu.name, get_arch_list=lambda: ["sm_{}{}".format(*gpu.capability)],
+        is_bf16_supported=lambda including_emulation=True: gpu.capability >= (8, 0),
         Stream=_Stream, Event=_Event, current_stream=_Stream, default_stream=_Stream,
         stream=lambda s=None: contextlib.nullcontext(s), _lazy_init=lambda: None,
         is_current_stream_capturing=lambda: False,
@@ -431,6 +437,9 @@ def fake_cuda(devices: int = 1, *, world_size: int = 1, rank: int = 0, gpu: str 
         answers = _cuda_answers(devices, GPUS[gpu], trace)
         stack.enter_context(_patched(torch.cuda, answers))
         stack.enter_context(_patched(torch.cuda.random, {name: answers[name] for name in _RNG}))
+        stack.enter_context(_patched(torch.version, {"cuda": CUDA_VERSION}))
+        stack.enter_context(_patched(torch.backends.cuda, {"is_built": lambda: True}))
+        stack.enter_context(_platform_probes_forgotten())
         stack.enter_context(_patched(dist, {"new_group": _gloo_as_fake(dist.new_group), **_OBJECT_COLLECTIVES}))
         answers["set_device"](device)
         dist.init_process_group("cuda:fake", rank=rank, world_size=world_size, store=FakeStore())
@@ -439,6 +448,29 @@ def fake_cuda(devices: int = 1, *, world_size: int = 1, rank: int = 0, gpu: str 
         tracer = stack.enter_context(_Tracer(trace))
         stack.enter_context(_Functions(tracer))
         yield trace
+
+
+#: SGLang's platform probes (`is_cuda()`, `is_sm100_supported()`, ...), cached once per process
+_PROBES = ("sglang.srt.utils.common",)
+
+
+@contextlib.contextmanager
+def _platform_probes_forgotten() -> Iterator[None]:
+    """SGLang caches its platform probes (`functools.lru_cache`): forget their answers on entering the façade and
+    on leaving it, so that each side sees its own platform. Module-level flags that SGLang computes at import
+    (`_is_cuda = is_cuda()` in its layers) keep the platform of the import: import SGLang inside the context."""
+
+    def forget() -> None:
+        for name in _PROBES:
+            for value in vars(sys.modules.get(name, types.ModuleType(name))).values():
+                if isinstance(value, functools._lru_cache_wrapper):
+                    value.cache_clear()
+
+    forget()
+    try:
+        yield
+    finally:
+        forget()
 
 
 def _destroy_groups() -> None:

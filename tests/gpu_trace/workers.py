@@ -165,3 +165,20 @@ def engine_push(master: str) -> dict:
         out["after_bytes"] = live() - base
         out["master_bytes"] = sum(2 * n * k for n, k in shapes.values())
     return out
+
+
+def platforms(gpus: list[str]) -> dict[str, dict]:
+    """What torch and SGLang's platform probes answer inside `fake_cuda(gpu=gpu)` for each of `gpus` in turn
+    (SGLang imported inside the first context, as a traced engine imports it), and after each."""
+    return {gpu: _platform(gpu) for gpu in gpus}
+
+
+def _platform(gpu: str) -> dict:
+    with fake_cuda(gpu=gpu):
+        from sglang.srt.utils import common
+
+        inside = dict(cuda=torch.version.cuda, capability=torch.cuda.get_device_capability(),
+                      major=torch.cuda.get_device_properties(0).major, is_cuda=common.is_cuda(),
+                      sm=common.get_device_sm(), sm90=common.is_sm90_supported(), sm100=common.is_sm100_supported(),
+                      hopper=common.is_hopper_with_cuda_12_3(), blackwell=common.is_blackwell())
+    return dict(inside=inside, after=dict(cuda=torch.version.cuda, is_cuda=common.is_cuda()))
