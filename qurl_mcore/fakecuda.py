@@ -85,15 +85,12 @@ MAX_DEVICES = 8
 CUDA_VERSION = "12.8"
 
 
-class NcclDeviceError(RuntimeError):
-    """A collective on an NCCL group was given a tensor that is not on a CUDA device."""
-
-
 @dataclass
 class Trace:
     """Bytes of fake CUDA tensors alive during a `fake_cuda` context (per storage)."""
     live_bytes: int = 0
     peak_bytes: int = 0
+    collectives: list[Collective] = field(default_factory=list)  # on NCCL groups, in the order issued
     _storages: dict[int, tuple[int, int]] = field(default_factory=dict)  # storage id -> (weak ref, bytes)
 
     def reset_peak(self) -> None:
@@ -116,9 +113,6 @@ class Trace:
                 torch.UntypedStorage._free_weak_ref(ref)
                 del self._storages[key]
                 self.live_bytes -= nbytes
-
-
-_NCCL_RULE = "NCCL takes CUDA tensors only: move the tensor to the rank's device before the collective"
 
 
 class _Tracer(TorchDispatchMode):
@@ -161,7 +155,7 @@ class _Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         if func.namespace == "c10d":
-            _check_collective(func, args)
+            _check_collective(func, args, self.trace)
             try:
                 return func(*args, **(kwargs or {}))
             except UnsupportedOperatorException:  # no fake kernel (the coalesced ones): nothing to compute
@@ -213,15 +207,131 @@ def _masked(indices) -> bool:
     return len(indices) == 1 and indices[0] is not None and indices[0].dtype == torch.bool
 
 
-def _check_collective(func, args) -> None:
+# -- NCCL's rules ---------------------------------------------------------------------------------------------
+class NcclError(RuntimeError):
+    """A collective on an NCCL group that a GPU rank's ProcessGroupNCCL would refuse (or that would corrupt or
+    hang across ranks)."""
+
+
+class NcclDeviceError(NcclError):
+    """A collective on an NCCL group was given a tensor that is not on this rank's CUDA device."""
+
+
+#: the dtypes ProcessGroupNCCL maps to an NCCL type (its `ncclDataType` table; bool and the float8 types travel
+#: as uint8); any other (int16, uint16, complex, which torch.distributed views as real before c10d, quantized)
+#: raises "Input tensor data type is not supported for NCCL process group" there
+NCCL_DTYPES = frozenset({torch.int8, torch.uint8, torch.int32, torch.uint32, torch.int64, torch.uint64,
+                         torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.bool,
+                         torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
+#: moved as bytes but never reduced: ProcessGroupNCCL refuses float8 in every reduction ("Float8 dtypes are not
+#: currently supported for NCCL reductions"), whatever the NCCL version's own fp8 support
+NCCL_UNREDUCED = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
+_REDUCTIONS = {"allreduce_", "allreduce_coalesced_", "reduce_", "reduce_scatter_", "_reduce_scatter_base_",
+               "reduce_scatter_tensor_coalesced_"}
+_RED_OP = {int(op): name for name, op in dist.ReduceOp.RedOpType.__members__.items()}
+_NCCL_BITWISE = {"BAND", "BOR", "BXOR"}  # NCCL has no bitwise reductions
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as this rank issued it: the op, the group's global ranks, and its tensors' (shape, dtype);
+    for an all-to-all with split sizes, the rows this rank sends to and receives from each peer."""
+    op: str
+    ranks: tuple[int, ...]
+    tensors: tuple[tuple[tuple[int, ...], str], ...]
+    sends: tuple[int, ...] | None = None
+    receives: tuple[int, ...] | None = None
+
+
+def _check_collective(func, args, trace: "Trace") -> None:
+    """NCCL's rules on a c10d op of a `cuda:fake` group (which a GPU rank's ProcessGroupNCCL applies): every
+    tensor on this rank's device (the current one), in a dtype NCCL moves (and reduces, for a reduction), sizes that keep the
+    collective's contract; then the collective is logged (`Trace.collectives`) for `mismatched_collectives`."""
     groups = [dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject)
               and a._type().qualified_name().endswith("c10d.ProcessGroup")]
     if not groups or dist.get_backend(groups[0]) != "cuda:fake":
         return
-    for t in tree_flatten(list(args))[0]:
-        if isinstance(t, torch.Tensor) and t.device.type != "cuda":
-            raise NcclDeviceError(f"{func} on an NCCL group got a {t.dtype} tensor of shape {tuple(t.shape)} on "
-                                  f"{t.device}: {_NCCL_RULE}")
+    group, name = groups[0], func.overloadpacket.__name__
+    tensors = [t for t in tree_flatten(list(args))[0] if isinstance(t, torch.Tensor)]
+    where = f"{func} on an NCCL group"
+    own = torch.device("cuda", torch._C._accelerator_getDeviceIndex())  # the rank's device: set_device's
+    for t in tensors:
+        if t.device != own:
+            raise NcclDeviceError(f"{where} got a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}: NCCL takes "
+                                  f"tensors on the rank's own device ({own}, torch.cuda.set_device's); move it "
+                                  f"there first")
+        if t.dtype not in NCCL_DTYPES:
+            raise NcclError(f"{where} got a {t.dtype} tensor: ProcessGroupNCCL moves only "
+                            f"{sorted(str(d) for d in NCCL_DTYPES)}; cast it (or view it as bytes) first")
+    if name in _REDUCTIONS:
+        op = _RED_OP[next(a for a in args if isinstance(a, torch.ScriptObject)
+                          and a._type().qualified_name().endswith("c10d.ReduceOp")).op()]
+        for t in tensors:
+            if t.dtype in NCCL_UNREDUCED:
+                raise NcclError(f"{where}: ProcessGroupNCCL reduces no float8 tensor ({t.dtype}); reduce in bf16 "
+                                f"or fp32 and cast after")
+            if op in _NCCL_BITWISE or op == "AVG" and t.dtype == torch.bool:
+                raise NcclError(f"{where}: NCCL cannot reduce {t.dtype} with ReduceOp.{op}; use SUM, MIN or MAX")
+    size = group.size()
+    sends = receives = None
+    if name in ("_allgather_base_", "_reduce_scatter_base_"):
+        out, inp = args[0], args[1]
+        whole, part = (out, inp) if name == "_allgather_base_" else (inp, out)
+        if whole.numel() != size * part.numel() or out.dtype != inp.dtype:
+            raise NcclError(f"{where}: the whole tensor must hold {size} (the group's size) times the part in its "
+                            f"dtype; got {tuple(whole.shape)} {whole.dtype} for a part of {tuple(part.shape)} "
+                            f"{part.dtype}")
+    elif name == "allgather_":
+        for outs, inp in zip(args[0], args[1]):
+            if len(outs) != size or any(o.shape != inp.shape or o.dtype != inp.dtype for o in outs):
+                raise NcclError(f"{where}: all_gather needs {size} outputs of the input's shape and dtype "
+                                f"{tuple(inp.shape)} {inp.dtype}; got {[(tuple(o.shape), o.dtype) for o in outs]}")
+    elif name == "alltoall_base_":
+        out, inp, receives, sends = args[0], args[1], tuple(args[3]), tuple(args[4])
+        for what, t, splits in (("output", out, receives), ("input", inp, sends)):
+            if splits and (len(splits) != size or sum(splits) != t.shape[0]):
+                raise NcclError(f"{where}: {what} split sizes {list(splits)} must be {size} (the group's size) and "
+                                f"add up to the {what}'s first dimension {t.shape[0]}")
+            if not splits and t.shape[0] % size:
+                raise NcclError(f"{where}: without split sizes the {what}'s first dimension {t.shape[0]} must "
+                                f"divide by the group's size {size}")
+        if out.dtype != inp.dtype or not (receives or sends) and out.numel() != inp.numel():
+            raise NcclError(f"{where}: output {tuple(out.shape)} {out.dtype} and input {tuple(inp.shape)} "
+                            f"{inp.dtype} must agree in dtype (and in size, without split sizes)")
+    trace.collectives.append(Collective(name, tuple(dist.get_process_group_ranks(group)),
+                                        tuple((tuple(t.shape), str(t.dtype)) for t in tensors),
+                                        sends or None, receives or None))
+
+
+def mismatched_collectives(logs: dict[int, list[Collective]]) -> list[str]:
+    """What NCCL would hang on or corrupt, given the collectives each simulated rank issued (`Trace.collectives`
+    of a trace per rank, keyed by global rank): for every group, each member rank that was traced must issue the
+    same sequence of ops with the same tensor shapes and dtypes (an all-to-all's may differ: there, what rank a
+    sends to rank b must be what b receives from a). Empty when they agree."""
+    problems: list[str] = []
+    per_group: dict[tuple[int, ...], dict[int, list[Collective]]] = {}
+    for rank, log in logs.items():
+        for c in log:
+            per_group.setdefault(c.ranks, {}).setdefault(rank, []).append(c)
+    for ranks, seqs in per_group.items():
+        (first, ref), *others = sorted(seqs.items())
+        for rank, seq in others:
+            if len(seq) != len(ref):
+                problems.append(f"group {list(ranks)}: rank {first} issues {len(ref)} collectives, rank {rank} "
+                                f"{len(seq)} (the extra ones hang)")
+            for i, (a, b) in enumerate(zip(ref, seq)):
+                split = a.op == b.op == "alltoall_base_" and a.sends is not None
+                if a.op != b.op or not split and a.tensors != b.tensors:
+                    problems.append(f"group {list(ranks)}, collective {i}: rank {first} {a.op} {a.tensors}, rank "
+                                    f"{rank} {b.op} {b.tensors}")
+                    continue
+                if split:
+                    for x, y, cx, cy in ((first, rank, a, b), (rank, first, b, a)):
+                        if cx.sends[ranks.index(y)] != cy.receives[ranks.index(x)]:
+                            problems.append(f"group {list(ranks)}, all-to-all {i}: rank {x} sends "
+                                            f"{cx.sends[ranks.index(y)]} rows to rank {y}, which expects "
+                                            f"{cy.receives[ranks.index(x)]}")
+    return problems
 
 
 class _FakeMode(FakeTensorMode):
@@ -334,6 +444,8 @@ def _cuda_answers(devices: int, gpu: Gpu, trace: Trace) -> dict[str, Any]:
         if not 0 <= index < devices:
             raise RuntimeError(f"CUDA device {index} does not exist: this trace has {devices} (fake_cuda(devices=))")
         torch._C._accelerator_setDeviceIndex(index)
+        # the fake mode's dispatch cache (one per process) keys `device="cuda"` without the current device
+        FakeTensorMode.cache_clear()
 
     @contextlib.contextmanager
     def device_(device):
@@ -342,7 +454,7 @@ def _cuda_answers(devices: int, gpu: Gpu, trace: Trace) -> dict[str, Any]:
         try:
             yield
         finally:
-            torch._C._accelerator_setDeviceIndex(before)
+            set_device(before)
 
     def properties(device=None):
         return types.SimpleNamespace(name=gpu.name, total_memory=gpu.memory_bytes, major=gpu.capability[0],

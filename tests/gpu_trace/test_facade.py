@@ -12,12 +12,40 @@ from . import workers
 def test_nccl_groups_refuse_cpu_tensors_and_gloo_groups_take_them():
     out = run_traced(workers.collectives)
     assert out["device"] == "cuda:3" and out["y"] == ("cuda:3", "torch.bfloat16")
-    assert "on cpu: NCCL takes CUDA tensors only" in out["nccl_cpu"] and "torch.float64" in out["nccl_cpu"]
+    assert "on cpu: NCCL takes tensors on the rank's own device (cuda:3" in out["nccl_cpu"]
+    assert "torch.float64" in out["nccl_cpu"]
     assert out["mix"] == "FakeTensorDeviceMismatchError"
     # 1024 fp32 (4096 B) and a bf16 copy of 1022 of them (2044 B): the view costs nothing, the copy does
     assert (out["live"], out["peak"]) == (6140, 6140)
     assert (out["live_after_del"], out["peak_after_del"]) == (2044, 6140)
     assert out["capability"] == (9, 0)
+
+
+def test_nccl_groups_apply_nccls_device_dtype_and_size_rules():
+    """What ProcessGroupNCCL on a GPU rank refuses, refused here, and nothing else: a tensor on another rank's
+    device, a dtype NCCL does not move (int16) or reduce (float8; bool under AVG; any dtype under a bitwise
+    op), and sizes that break a collective's contract."""
+    out = run_traced(workers.nccl_rules)
+    assert set(out) == set(workers.NCCL_CASES)
+    for case, error in out.items():
+        assert (error is None) == case.startswith("ok_"), (case, error)
+    assert out["other_device"].startswith("NcclDeviceError") and "on cuda:1" in out["other_device"]
+    assert "torch.int16" in out["int16"] and "reduces no float8" in out["fp8_all_reduce"]
+    assert "ReduceOp.AVG" in out["bool_avg"] and "ReduceOp.BAND" in out["int_band"]
+    assert "4 (the group's size) times the part" in out["all_gather_size"]
+    assert "torch.bfloat16" in out["all_gather_dtype"] and "times the part" in out["reduce_scatter_size"]
+    assert "[2, 1, 1, 2]" in out["all_to_all_splits"] and "divide by the group's size 4" in out["all_to_all_even"]
+
+
+def test_collectives_whose_shapes_differ_between_traced_ranks_are_found():
+    """Ranks traced one by one: an all-reduce of different shapes on two ranks (NCCL would reduce garbage or
+    hang) and an all-to-all whose sender and receiver disagree on the rows are named; agreeing ranks pass."""
+    agree, found = run_traced(workers.ranks_collectives, [([4, 4], [[1, 2], [3, 4]], None),
+                                                          ([4, 5], [[1, 2], [3, 4]], [4, 4])])
+    assert agree == []
+    assert len(found) == 2
+    assert found[0].startswith("group [0, 1], collective 0: rank 0 allreduce_ (((4, 8), 'torch.float32'),)")
+    assert found[1] == "group [0, 1], all-to-all 1: rank 0 sends 2 rows to rank 1, which expects 4"
 
 
 def test_megatron_model_parallel_groups_start_on_the_fake_group():

@@ -2,10 +2,12 @@
 functions with picklable arguments and results."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
-from qurl_mcore.fakecuda import NcclDeviceError, fake_cuda
+from qurl_mcore.fakecuda import NcclDeviceError, NcclError, fake_cuda
 
 
 def collectives() -> dict:
@@ -31,6 +33,71 @@ def collectives() -> dict:
         out["peak_after_del"] = trace.peak_bytes
         out["y"] = (str(y.device), str(y.dtype))
         out["capability"] = torch.cuda.get_device_capability()
+    return out
+
+
+def nccl_rules() -> dict[str, str | None]:
+    """Each collective of `NCCL_CASES` on the NCCL-like default group of 4 ranks, as rank 2 on cuda:2: the
+    NcclError it raised, or None."""
+    out = {}
+    with fake_cuda(devices=4, world_size=4, rank=2, device=2):
+        for case, collective in NCCL_CASES.items():
+            try:
+                collective()
+                out[case] = None
+            except NcclError as err:
+                out[case] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def _t(*shape, dtype=torch.float32, device="cuda:2"):
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+#: collectives, each breaking at most one of NCCL's rules (the ones named ok_* break none)
+NCCL_CASES = {
+    "ok_own_device": lambda: dist.all_reduce(_t(4)),
+    "other_device": lambda: dist.all_reduce(_t(4, device="cuda:1")),
+    "int16": lambda: dist.broadcast(_t(4, dtype=torch.int16), src=0),
+    "ok_fp8_broadcast": lambda: dist.broadcast(_t(4, dtype=torch.float8_e4m3fn), src=0),
+    "fp8_all_reduce": lambda: dist.all_reduce(_t(4, dtype=torch.float8_e4m3fn)),
+    "ok_bool_max": lambda: dist.all_reduce(_t(4, dtype=torch.bool), op=dist.ReduceOp.MAX),
+    "bool_avg": lambda: dist.all_reduce(_t(4, dtype=torch.bool), op=dist.ReduceOp.AVG),
+    "int_band": lambda: dist.all_reduce(_t(4, dtype=torch.int32), op=dist.ReduceOp.BAND),
+    "ok_all_gather": lambda: dist.all_gather_into_tensor(_t(4, 3), _t(1, 3)),
+    "all_gather_size": lambda: dist.all_gather_into_tensor(_t(3, 3), _t(1, 3)),
+    "all_gather_dtype": lambda: dist.all_gather_into_tensor(_t(4, 3, dtype=torch.bfloat16), _t(1, 3)),
+    "ok_reduce_scatter": lambda: dist.reduce_scatter_tensor(_t(2), _t(8)),
+    "reduce_scatter_size": lambda: dist.reduce_scatter_tensor(_t(2), _t(6)),
+    "ok_all_to_all": lambda: dist.all_to_all_single(_t(6, 2), _t(5, 2), [3, 1, 1, 1], [2, 1, 1, 1]),
+    "all_to_all_splits": lambda: dist.all_to_all_single(_t(6, 2), _t(5, 2), [3, 1, 1, 1], [2, 1, 1, 2]),
+    "all_to_all_even": lambda: dist.all_to_all_single(_t(6, 2), _t(6, 2)),
+}
+
+
+def collectives_of(rank: int, rows: list[int], sends: list[list[int]]) -> list:
+    """The collectives (`Trace.collectives`) rank `rank` of 2 issues: an all-reduce of `rows[rank]` rows, then
+    an all-to-all sending `sends[rank][peer]` rows to each peer and receiving `sends[peer][rank]`."""
+    with fake_cuda(devices=2, world_size=2, rank=rank, device=rank) as trace:
+        dist.all_reduce(torch.empty(rows[rank], 8, device="cuda"))
+        receives = [sends[peer][rank] for peer in range(2)]
+        dist.all_to_all_single(torch.empty(sum(receives), 8, device="cuda"),
+                               torch.empty(sum(sends[rank]), 8, device="cuda"), receives, sends[rank])
+    return trace.collectives
+
+
+def ranks_collectives(cases: list[tuple]) -> list[list[str]]:
+    """For each case (rows, sends, receives_of_1): `mismatched_collectives` of ranks 0 and 1 of
+    `collectives_of(rank, rows, sends)`, each traced in turn in this process; with `receives_of_1`, rank 1's
+    all-to-all expects that many rows from each peer instead."""
+    from qurl_mcore.fakecuda import mismatched_collectives
+
+    out = []
+    for rows, sends, receives_of_1 in cases:
+        logs = {rank: collectives_of(rank, rows, sends) for rank in range(2)}
+        if receives_of_1 is not None:
+            logs[1][-1] = dataclasses.replace(logs[1][-1], receives=tuple(receives_of_1))
+        out.append(mismatched_collectives(logs))
     return out
 
 
