@@ -40,12 +40,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import math
 import importlib
 import os
 import pickle
 import subprocess
 import sys
 import types
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -91,11 +93,23 @@ class Trace:
     live_bytes: int = 0
     peak_bytes: int = 0
     collectives: list[Collective] = field(default_factory=list)  # on NCCL groups, in the order issued
+    host_syncs: int = 0  # device-to-host synchronizations (`_Tracer` says which count)
+    sync_sites: Counter = field(default_factory=Counter)  # "what at file:line" -> how many
     _storages: dict[int, tuple[int, int]] = field(default_factory=dict)  # storage id -> (weak ref, bytes)
 
     def reset_peak(self) -> None:
         self._prune()
         self.peak_bytes = self.live_bytes
+
+    def sync(self, what: str) -> None:
+        """Count a host synchronization, and where the code outside torch and this module asked for it."""
+        self.host_syncs += 1
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename == __file__ or
+                                     f"{os.sep}torch{os.sep}" in frame.f_code.co_filename):
+            frame = frame.f_back
+        where = "?" if frame is None else f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+        self.sync_sites[f"{what} at {where}"] += 1
 
     def _add(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -115,84 +129,213 @@ class Trace:
                 self.live_bytes -= nbytes
 
 
+@dataclass(frozen=True)
+class Fill:
+    """What a data-dependent read of a fake tensor answers: every element is `value` at a fraction `density` of
+    its positions, spread evenly over every row and column (element p of the flattened tensor is `value` where
+    ⌊(p+1)·density⌋ > ⌊p·density⌋), and 0 elsewhere."""
+    value: float
+    density: float = 1.0
+
+    def nonzero(self) -> float:
+        """The fraction of elements that are not 0."""
+        return self.density if self.value else 0.0
+
+    def real(self, shape, dtype) -> torch.Tensor:
+        """A real CPU tensor holding these values."""
+        with unset_fake_temporarily():
+            p = torch.arange(math.prod(shape), dtype=torch.float64)
+            on = torch.floor((p + 1) * self.density) > torch.floor(p * self.density)
+            return torch.where(on, self.value, 0.0).to(dtype).reshape(shape)
+
+
+#: what a read of a tensor that nothing is known about answers (`_Tracer`)
+_UNKNOWN = Fill(1.0)
+
+
 class _Tracer(TorchDispatchMode):
-    """Under the FakeTensorMode: counts CUDA storages, applies NCCL's device rule to collectives (c10d ops,
-    whose process group is an argument), and answers data-dependent reads (no values exist)."""
+    """Under the FakeTensorMode: counts CUDA storages, applies NCCL's rules to collectives (c10d ops, whose
+    process group is an argument), counts host synchronizations, and answers data-dependent reads (no values
+    exist) from a value model (`Fill` per tensor):
+
+    - finiteness checks pass (`isfinite` is all True, `isnan` all False), and what follows from them through
+      logical operations, reductions and views;
+    - creations know their values (`zeros`, `ones`, `full`, `fill_`); sums of known tensors are known;
+    - routing is balanced: the indices of a `topk` of k out of n pick every one of the n equally often, so a
+      `scatter` of them into zeros is nonzero at a fraction k/n of each row and column (Megatron's routing map),
+      its column sums are tokens·k/n each (tokens per expert), and collectives pass the counts on as every
+      rank's (all-gather, all-to-all; an all-reduce's SUM multiplies by the group's size);
+    - what is read of anything else: a boolean True (a mask selects everything), a number 1.
+
+    A read is `.item()` (and `bool()`, `int()`), a copy to the host (`.cpu()`, `.tolist()`, `.to("cpu")`:
+    it gives a real CPU tensor holding the model's values, on which host code then computes for real), or a
+    size that depends on values (`nonzero`, `masked_select`, `x[mask]`). Each such read of a CUDA tensor, and
+    each `torch.cuda.synchronize` or event or stream synchronize, is a host synchronization
+    (`Trace.host_syncs`); a non-blocking copy is not (the synchronize that waits for it is)."""
 
     def __init__(self, trace: Trace):
         super().__init__()
         self.trace = trace
-        self.values = WeakIdKeyDictionary()  # what a later data-dependent read of a reduction answers
-
-    def _known(self, x) -> bool | None:
-        """The value every element of boolean `x` is known to have, or None."""
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bool:
-            return None
-        return self.values.get(x)
-
-    def _infer(self, func, args) -> bool | None:
-        packet = func.overloadpacket
-        if packet in _KNOWN:
-            return _KNOWN[packet]
-        known = [self._known(a) for a in args[:2]]
-        if packet in _NEGATE and known[0] is not None:
-            return not known[0]
-        if packet in _AND and False in known:
-            return False
-        if packet in _AND and known == [True, True] or packet in _OR and True in known:
-            return True
-        if packet in _OR and known == [False, False]:
-            return False
-        if packet in _REDUCE or func in _VIEWS:
-            return known[0]
-        return None
+        self.values = WeakIdKeyDictionary()  # tensor -> Fill
+        self.picks = WeakIdKeyDictionary()  # topk indices -> n, the size of the dimension they pick from
 
     def _read(self, x: torch.Tensor):
-        known = self._known(x)
+        """The Python number a read of 0-dim `x` answers."""
+        if x.device.type == "cuda":
+            self.trace.sync(f"item of a {x.dtype} tensor")
+        fill = self.values.get(x) or _UNKNOWN
         if x.dtype == torch.bool:
-            return True if known is None else known
-        return 1.0 if x.is_floating_point() else 1
+            return bool(fill.nonzero())
+        return fill.value if x.is_floating_point() else int(fill.value)
+
+    def _to_host(self, x: torch.Tensor, dtype, non_blocking: bool) -> torch.Tensor:
+        if not non_blocking and x.device.type == "cuda":
+            self.trace.sync(f"copy of a {x.dtype} tensor to the host")
+        fill = self.values.get(x) or _UNKNOWN
+        return fill.real(tuple(x.shape), dtype or x.dtype)
+
+    def _count(self, x: torch.Tensor, numel: int) -> int:
+        """How many elements of `x` (a mask, or nonzero's input) of `numel` (broadcast) are not 0."""
+        if x.device.type == "cuda":
+            self.trace.sync(f"size of a selection by a {x.dtype} tensor")
+        fill = self.values.get(x) or _UNKNOWN
+        return round(numel * fill.nonzero())
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func.namespace == "c10d":
             _check_collective(func, args, self.trace)
             try:
-                return func(*args, **(kwargs or {}))
+                out = func(*args, **kwargs)
             except UnsupportedOperatorException:  # no fake kernel (the coalesced ones): nothing to compute
                 return _done_work()
-        if func is torch.ops.aten.record_stream.default:  # no memory is reused while work is pending
+            self._collective(func, args)
+            return out
+        if func is aten.record_stream.default:  # no memory is reused while work is pending
             return None
-        if func is torch.ops.aten._local_scalar_dense.default:
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors) and \
+                torch.device(kwargs.get("device") or "cpu").type == "cpu":  # host data (a read's): computed
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if func is aten._local_scalar_dense.default:
             return self._read(args[0])
-        if func is torch.ops.aten.nonzero.default:  # every element: the upper bound of its size
+        if func is aten._to_copy.default and args[0].device.type == "cuda" and kwargs.get("device") is not None \
+                and torch.device(kwargs["device"]).type == "cpu":
+            return self._to_host(args[0], kwargs.get("dtype"), kwargs.get("non_blocking", False))
+        if func is aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type == "cuda":
+            real = self._to_host(args[1], args[0].dtype, len(args) > 2 and args[2])
+            if not isinstance(args[0], FakeTensor):
+                with unset_fake_temporarily():
+                    args[0].copy_(real.expand_as(args[0]) if real.shape != args[0].shape else real)
+            return args[0]
+        if func is aten.nonzero.default:
             (x,) = args
-            return torch.empty(x.numel(), x.dim(), dtype=torch.long, device=x.device)
-        if func is torch.ops.aten.index.Tensor and _masked(args[1]):  # x[mask]: every element selected
+            return torch.empty(self._count(x, x.numel()), x.dim(), dtype=torch.long, device=x.device)
+        if func is aten.masked_select.default:
+            x, mask = args
+            shape = torch.broadcast_shapes(x.shape, mask.shape)
+            return x.new_empty(self._count(mask, math.prod(shape)))
+        if func is aten.index.Tensor and _masked(args[1]):
             x, (mask,) = args
-            return x.new_empty((mask.numel(), *x.shape[mask.dim():]))
-        out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor) and out.dtype == torch.bool and (known := self._infer(func, args)) is not None:
-            self.values[out] = known
+            return x.new_empty((self._count(mask, mask.numel()), *x.shape[mask.dim():]))
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            if func._schema.is_mutable:  # an in-place op: what was known of its tensor no longer holds
+                self.values.pop(out, None)
+            fill = self._infer(func, args, kwargs, out)
+            if fill is not None:
+                self.values[out] = fill
+        elif func is aten.topk.default:
+            x, k, dim = (list(args) + [-1])[:3]
+            self.picks[out[1]] = x.shape[dim]
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                 self.trace._add(t)
         return out
 
+    def _infer(self, func, args, kwargs, out) -> Fill | None:
+        """The value model's answer for `out = func(*args)` (class docstring), or None."""
+        packet = func.overloadpacket
+        a, b = (self.values.get(x) if isinstance(x, torch.Tensor) else None for x in (*args[:2], None)[:2])
+        if packet in _KNOWN:
+            return Fill(float(_KNOWN[packet]))
+        if packet in _FILLS:
+            value = _FILLS[packet](args, kwargs)
+            return None if value is None else Fill(float(value))
+        if packet in _VIEWS or func in _VIEWS:
+            return a if a is None or out.dtype != torch.bool else Fill(float(bool(a.value)), a.density)
+        if a is None and packet not in _AND_OR_SCATTER:
+            return None
+        if packet in _NEGATE:
+            return Fill(1.0, 1 - a.nonzero())
+        if packet in _SUM:
+            n = args[0].numel() // max(out.numel(), 1)
+            return Fill(a.value * a.density * n) if a.density == 1 or args[0].dim() <= 2 else None
+        if packet is aten.any:
+            return Fill(float(a.nonzero() > 0))
+        if packet is aten.all:
+            return Fill(float(a.nonzero() == 1))
+        if packet in (aten.amax, aten.amin):
+            return a if a.density == 1 else Fill((max if packet is aten.amax else min)(a.value, 0.0))
+        if packet in _AND_OR_SCATTER:
+            return self._combine(packet, args, a, b)
+        return None
+
+    def _combine(self, packet, args, a: Fill | None, b: Fill | None) -> Fill | None:
+        if packet in (aten.scatter, aten.scatter_):  # scatter(zeros, dim, topk indices, 1 or src)
+            dst, dim, index, src = args[:4]
+            n = self.picks.get(index)
+            if a is None or a.nonzero() or n is None:
+                return None
+            value = float(src) if not isinstance(src, torch.Tensor) else 1.0
+            return Fill(value, index.shape[dim] / n)
+        if packet in _AND:
+            if 0.0 in (a and a.nonzero(), b and b.nonzero()):
+                return Fill(0.0)
+            if a is not None and b is not None and 1 in (a.density, b.density):
+                return Fill(a.value * b.value, a.density * b.density)
+            return None
+        if packet in _OR and (a and a.nonzero() == 1 or b and b.nonzero() == 1):
+            return Fill(1.0)
+        if packet in _OR and a is not None and b is not None and a.nonzero() == b.nonzero() == 0:
+            return Fill(0.0)
+        return None
+
+    def _collective(self, func, args) -> None:
+        """A collective passes its input's values on to its output (every rank holds the same: balanced)."""
+        name = func.overloadpacket.__name__
+        if name in ("_allgather_base_", "alltoall_base_") and (fill := self.values.get(args[1])) is not None:
+            self.values[args[0]] = fill
+        elif name == "allreduce_":
+            op = _RED_OP[args[2].op()]
+            for t in args[0]:
+                fill = self.values.get(t)
+                if fill is not None and fill.density == 1 and op == "SUM":
+                    self.values[t] = Fill(fill.value * dist.ProcessGroup.unbox(args[1]).size())
+
 
 aten = torch.ops.aten
-#: Data-dependent reads follow "the data is well-formed": a finiteness check passes. Boolean tensors whose every
-#: element is known (True or False) are tracked through these operations; any other boolean is taken as all
-#: True (a mask selects everything, as `nonzero` does).
+#: finiteness checks pass (`_Tracer`)
 _KNOWN = {aten.isfinite: True, aten.isnan: False, aten.isinf: False, aten.isposinf: False, aten.isneginf: False}
 #: the same checks as functions (some decompose before the dispatcher: `_Functions` records them)
 _KNOWN_FUNCTIONS = {f: known for name, known in (("isfinite", True), ("isnan", False), ("isinf", False))
                     for f in (getattr(torch, name), getattr(torch.Tensor, name))}
+#: creations and fills whose values are their arguments'
+_FILLS = {aten.zeros: lambda a, k: 0, aten.zeros_like: lambda a, k: 0, aten.new_zeros: lambda a, k: 0,
+          aten.zero_: lambda a, k: 0, aten.ones: lambda a, k: 1, aten.ones_like: lambda a, k: 1,
+          aten.new_ones: lambda a, k: 1, aten.full: lambda a, k: a[1], aten.full_like: lambda a, k: a[1],
+          aten.new_full: lambda a, k: a[2], aten.fill_: lambda a, k: a[1] if not isinstance(a[1], torch.Tensor)
+          else None}
 _NEGATE = (aten.logical_not, aten.bitwise_not)
 _AND = (aten.logical_and, aten.bitwise_and, aten.__and__, aten.mul)
 _OR = (aten.logical_or, aten.bitwise_or, aten.__or__)
-_REDUCE = (aten.any, aten.all, aten.amax, aten.amin)
+_AND_OR_SCATTER = (*_AND, *_OR, aten.scatter, aten.scatter_)
+_SUM = (aten.sum, aten.count_nonzero)
 _VIEWS = {aten.index.Tensor, aten.view.default, aten.reshape.default, aten.expand.default, aten.slice.Tensor,
-          aten.select.int, aten.clone.default, aten._to_copy.default, aten.unsqueeze.default, aten.squeeze.dim}
+          aten.select.int, aten.clone.default, aten._to_copy.default, aten.unsqueeze.default, aten.squeeze.dim,
+          aten.t.default, aten.transpose.int, aten.permute.default, aten.contiguous, aten._unsafe_view.default,
+          aten.alias.default, aten.flatten.using_ints}
 
 
 def _done_work():
@@ -363,7 +506,7 @@ class _Functions(TorchFunctionMode):
             args = (tree_map_only(torch.Tensor, self.tracer._read, args[0]), *args[1:])
         out = func(*args, **(kwargs or {}))
         if func in _KNOWN_FUNCTIONS and isinstance(out, torch.Tensor):
-            self.tracer.values[out] = _KNOWN_FUNCTIONS[func]
+            self.tracer.values[out] = Fill(float(_KNOWN_FUNCTIONS[func]))
         if func == _SET_DATA and isinstance(args[0], FakeTensor) and isinstance(args[1], FakeTensor):
             args[0].fake_device = args[1].fake_device
         return out
@@ -391,11 +534,24 @@ def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         grad, dropout_p, is_causal, scale=scale)[0]
 
 
+def _short(path: str) -> str:
+    """A source path from its package down (`megatron/core/...`, `qurl_mcore/...`)."""
+    parts = Path(path).parts
+    if "site-packages" in parts:
+        return "/".join(parts[len(parts) - parts[::-1].index("site-packages"):])
+    root = Path(__file__).resolve().parents[1]
+    return str(Path(path).relative_to(root)) if Path(path).is_relative_to(root) else path
+
+
 class _Event:
+    trace: Trace | None = None  # the context's (fake_cuda sets it): a synchronize counts there
+
     def __init__(self, *args, **kwargs): ...
     def record(self, stream=None) -> None: ...
     def wait(self, stream=None) -> None: ...
-    def synchronize(self) -> None: ...
+
+    def synchronize(self) -> None:
+        self.trace.sync("an event's synchronize")
 
     def query(self) -> bool:
         return True
@@ -417,7 +573,9 @@ class _Stream(torch.Stream):
 
     def wait_stream(self, stream) -> None: ...
     def wait_event(self, event) -> None: ...
-    def synchronize(self) -> None: ...
+
+    def synchronize(self) -> None:
+        _Event.trace.sync("a stream's synchronize")
 
     def query(self) -> bool:
         return True
@@ -474,7 +632,7 @@ def _cuda_answers(devices: int, gpu: Gpu, trace: Trace) -> dict[str, Any]:
         Stream=_Stream, Event=_Event, current_stream=_Stream, default_stream=_Stream,
         stream=lambda s=None: contextlib.nullcontext(s), _lazy_init=lambda: None,
         is_current_stream_capturing=lambda: False,
-        synchronize=lambda device=None: None, empty_cache=lambda: None,
+        synchronize=lambda device=None: trace.sync("torch.cuda.synchronize"), empty_cache=lambda: None,
         memory_allocated=allocated, memory_reserved=allocated, max_memory_allocated=lambda d=None: trace.peak_bytes,
         max_memory_reserved=lambda d=None: trace.peak_bytes,
         mem_get_info=lambda device=None: (gpu.memory_bytes - allocated(), gpu.memory_bytes),
@@ -550,6 +708,7 @@ def fake_cuda(devices: int = 1, *, world_size: int = 1, rank: int = 0, gpu: str 
         stack.enter_context(_patched(torch.cuda, answers))
         stack.enter_context(_patched(torch.cuda.random, {name: answers[name] for name in _RNG}))
         stack.enter_context(_patched(torch.version, {"cuda": CUDA_VERSION}))
+        stack.enter_context(_patched(_Event, {"trace": trace}))
         stack.enter_context(_patched(torch.backends.cuda, {"is_built": lambda: True}))
         stack.enter_context(_platform_probes_forgotten())
         stack.enter_context(_patched(dist, {"new_group": _gloo_as_fake(dist.new_group), **_OBJECT_COLLECTIVES}))
@@ -558,6 +717,8 @@ def fake_cuda(devices: int = 1, *, world_size: int = 1, rank: int = 0, gpu: str 
         stack.callback(_destroy_groups)
         stack.enter_context(_FakeMode(allow_non_fake_inputs=True))
         tracer = stack.enter_context(_Tracer(trace))
+        # FakeTensor's own tolist reads element by element: one copy to the host, as a real tensor's
+        stack.enter_context(_patched(FakeTensor, {"tolist": lambda x: tracer._to_host(x, None, False).tolist()}))
         stack.enter_context(_Functions(tracer))
         yield trace
 

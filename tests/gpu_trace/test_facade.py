@@ -48,6 +48,19 @@ def test_collectives_whose_shapes_differ_between_traced_ranks_are_found():
     assert found[1] == "group [0, 1], all-to-all 1: rank 0 sends 2 rows to rank 1, which expects 4"
 
 
+def test_host_reads_answer_from_the_value_model_and_count_as_host_syncs():
+    """A read of a value with no data answers what the model knows (finiteness checks pass, a mask selects
+    everything, an unknown number is 1; a top-2 of 8 experts routes 12 tokens evenly: 3 a expert) and each
+    device-to-host synchronization counts once; a non-blocking copy does not, host data is real."""
+    out = run_traced(workers.host_reads)
+    assert (out["item"], out["finite"], out["selected"]) == (1.0, True, 8)
+    assert out["per_expert"] == [3] * 8 and out["per_token"] == [2] * 12 and out["routed"] == 24
+    assert out["masked_select"] == 24 and out["nonzero"] == (24, 2) and out["zeros_any"] is False
+    assert out["host_is_real"] and out["host_syncs"] == 11
+    assert sum(out["sites"].values()) == 11 and "torch.cuda.synchronize at tests/gpu_trace/workers.py:" in \
+        " ".join(out["sites"])
+
+
 def test_megatron_model_parallel_groups_start_on_the_fake_group():
     assert run_traced(workers.model_parallel, 2, 8, 5) == dict(tp=2, dp=4, tp_rank=1, dp_rank=2)
 

@@ -249,3 +249,29 @@ def _platform(gpu: str) -> dict:
                       sm=common.get_device_sm(), sm90=common.is_sm90_supported(), sm100=common.is_sm100_supported(),
                       hopper=common.is_hopper_with_cuda_12_3(), blackwell=common.is_blackwell())
     return dict(inside=inside, after=dict(cuda=torch.version.cuda, is_cuda=common.is_cuda()))
+
+
+def host_reads() -> dict:
+    """Data-dependent reads of fake CUDA tensors: what each answers, and the host synchronizations counted."""
+    out = {}
+    with fake_cuda() as trace:
+        x = torch.empty(8, device="cuda")
+        out["item"] = x.sum().item()  # 1: unknown, reads 1
+        out["finite"] = torch.isfinite(x).all().item()  # 2
+        x.cpu()  # 3
+        x.to("cpu", non_blocking=True)  # not a sync: the synchronize that waits for it is
+        torch.cuda.synchronize()  # 4
+        out["selected"] = x[x > 0].shape[0]  # 5: a mask selects everything
+        logits = torch.empty(12, 8, device="cuda")  # 12 tokens, 8 experts, top-2
+        routing = torch.zeros_like(logits).int().scatter(1, logits.topk(2, dim=1).indices, 1).bool()
+        per_expert = routing.sum(dim=0).cpu()  # 6: a real host tensor
+        out["per_expert"] = per_expert.tolist()  # host data: no sync
+        out["per_token"] = routing.sum(dim=1).tolist()  # 7
+        out["routed"] = routing.sum().item()  # 8
+        out["masked_select"] = logits.masked_select(routing).shape[0]  # 9
+        out["nonzero"] = tuple(routing.nonzero().shape)  # 10
+        out["zeros_any"] = bool(torch.zeros(3, device="cuda").any())  # 11
+        out["host_is_real"] = not isinstance(per_expert * 2, torch._subclasses.fake_tensor.FakeTensor)
+        out["host_syncs"] = trace.host_syncs
+        out["sites"] = dict(trace.sync_sites)
+    return out
