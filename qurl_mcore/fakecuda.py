@@ -3,11 +3,12 @@
 
 Inside the context every tensor is a fake tensor (torch's `FakeTensorMode`): it has a shape, a dtype and a
 device, and no data; allocating on `cuda` costs nothing and works on the CPU build of torch. `torch.cuda`
-answers for N devices of a chosen GPU (`GPUS`: capability, memory), and torch.distributed runs the `cuda:fake`
-backend over a `FakeStore`: this process is rank `rank` of a group of `world_size` ranks that exist only in
-the group, and every collective returns at once. Megatron's gloo groups (for CPU tensors) get the `fake`
-backend, which takes CPU tensors: ProcessGroupGloo cannot start over a FakeStore (c10d's init.cpp asserts
-"Not implemented" on the store's methods it calls).
+answers for N devices of a chosen GPU (`GPUS`: capability, memory) and `torch.version.cuda` is `CUDA_VERSION`,
+so SGLang (imported inside the context) and Megatron take the branches they take on that GPU; torch.distributed
+runs the `cuda:fake` backend over a `FakeStore`: this process is rank `rank` of a group of `world_size` ranks
+that exist only in the group, and every collective returns at once. Megatron's gloo groups (for CPU tensors)
+get the `fake` backend, which takes CPU tensors: ProcessGroupGloo cannot start over a FakeStore (c10d's
+init.cpp asserts "Not implemented" on the store's methods it calls).
 
 A CPU build of torch has no CUDA device guard and no CUDA hooks, which indexing, `copy_`, `.to`, `device=<int>`
 and autograd's streams ask for. `runtime_library()` compiles a small shim (c10's own `FakeGuardImpl` for CUDA,
@@ -18,20 +19,22 @@ away from processes where megatron/cpu_compat.py replaced `torch.cuda` functions
 What it catches, as a GPU would:
 - a CPU tensor meeting a CUDA one in an operation (`FakeTensorDeviceMismatchError`; 0-dim CPU scalars are
   allowed, as on a GPU);
-- a CPU tensor in a collective on an NCCL group (`NcclDeviceError`: NCCL takes CUDA tensors only);
-- dtypes and shapes of every operation (object collectives give every rank this rank's objects), and the bytes of CUDA tensors alive at once (`Trace.peak_bytes`): a
-  `TorchDispatchMode` under the fake mode sees every operation's outputs, counts each CUDA storage once (views
-  cost nothing) from the operation that first returns it, and holds a weak reference to it, so that a
-  storage counts until torch frees it. The caching allocator's rounding and fragmentation are not modelled.
-  `scaled_dot_product_attention` on a fake CUDA device runs as the memory-efficient kernel a GPU picks for a
-  masked attention (it keeps the output and the log-sum-exp, not the probabilities).
+- a collective on an NCCL group that ProcessGroupNCCL would refuse (`NcclError`: a tensor not on the rank's
+  own device, a dtype NCCL does not move or reduce, sizes that break the collective's contract), and, over
+  ranks traced one by one, collectives that differ between them (`mismatched_collectives`);
+- dtypes and shapes of every operation (object collectives give every rank this rank's objects), and the bytes
+  of CUDA tensors alive at once (`Trace.peak_bytes`): a `TorchDispatchMode` under the fake mode sees every
+  operation's outputs, counts each CUDA storage once (views cost nothing) from the operation that first
+  returns it, and holds a weak reference to it, so that a storage counts until torch frees it. The caching
+  allocator's rounding and fragmentation are not modelled. `scaled_dot_product_attention` on a fake CUDA
+  device runs as the memory-efficient kernel a GPU picks for a masked attention (it keeps the output and the
+  log-sum-exp, not the probabilities);
+- the host synchronizations the code makes (`Trace.host_syncs`, `Trace.sync_sites`).
 
 What it cannot: whether a kernel exists for the device and dtype (a CPU build has none to ask), numerics
-(there are no values: a data-dependent read follows "the data is well-formed": finiteness checks pass, a mask
-selects every element, a number read is 1, so a trainer's "nonfinite" metric reads 1 and its update is
-skipped, and optimizer states allocated at the first update are missing from a traced peak; `nonzero` and
-`x[mask]` answer "all of them", the upper bound of their size), speed, and hangs or mismatched collectives
-across ranks (the other ranks do not run).
+(there are no values: a data-dependent read answers from a value model, `_Tracer`: finiteness checks pass,
+routing is balanced, a mask of unknown values selects every element, an unknown number is 1), speed, and
+hangs across ranks that are not traced.
 
 Never on a real run's path: tests and `qurl plan --trace` use it.
 """
@@ -40,8 +43,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import math
 import importlib
+import math
 import os
 import pickle
 import subprocess
@@ -176,14 +179,25 @@ class _Tracer(TorchDispatchMode):
     def __init__(self, trace: Trace):
         super().__init__()
         self.trace = trace
-        self.values = WeakIdKeyDictionary()  # tensor -> Fill
+        self.values = WeakIdKeyDictionary()  # tensor -> (Fill, its version counter's value then)
         self.picks = WeakIdKeyDictionary()  # topk indices -> n, the size of the dimension they pick from
+
+    def known(self, x) -> Fill | None:
+        """What is known of `x`'s values: nothing once an in-place operation has changed it or a view of it
+        (views share one version counter)."""
+        fill, version = self.values.get(x, (None, None)) if isinstance(x, torch.Tensor) else (None, None)
+        return fill if fill is not None and version == _version(x) else None
+
+    def know(self, x: torch.Tensor, fill: Fill | None, mutated: bool = False) -> None:
+        """Record `x`'s values; autograd counts an in-place operation's version after its kernel returns."""
+        if fill is not None:
+            self.values[x] = (fill, _version(x) + mutated)
 
     def _read(self, x: torch.Tensor):
         """The Python number a read of 0-dim `x` answers."""
         if x.device.type == "cuda":
             self.trace.sync(f"item of a {x.dtype} tensor")
-        fill = self.values.get(x) or _UNKNOWN
+        fill = self.known(x) or _UNKNOWN
         if x.dtype == torch.bool:
             return bool(fill.nonzero())
         return fill.value if x.is_floating_point() else int(fill.value)
@@ -191,14 +205,14 @@ class _Tracer(TorchDispatchMode):
     def _to_host(self, x: torch.Tensor, dtype, non_blocking: bool) -> torch.Tensor:
         if not non_blocking and x.device.type == "cuda":
             self.trace.sync(f"copy of a {x.dtype} tensor to the host")
-        fill = self.values.get(x) or _UNKNOWN
+        fill = self.known(x) or _UNKNOWN
         return fill.real(tuple(x.shape), dtype or x.dtype)
 
     def _count(self, x: torch.Tensor, numel: int) -> int:
         """How many elements of `x` (a mask, or nonzero's input) of `numel` (broadcast) are not 0."""
         if x.device.type == "cuda":
             self.trace.sync(f"size of a selection by a {x.dtype} tensor")
-        fill = self.values.get(x) or _UNKNOWN
+        fill = self.known(x) or _UNKNOWN
         return round(numel * fill.nonzero())
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
@@ -241,11 +255,7 @@ class _Tracer(TorchDispatchMode):
             return x.new_empty((self._count(mask, mask.numel()), *x.shape[mask.dim():]))
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
-            if func._schema.is_mutable:  # an in-place op: what was known of its tensor no longer holds
-                self.values.pop(out, None)
-            fill = self._infer(func, args, kwargs, out)
-            if fill is not None:
-                self.values[out] = fill
+            self.know(out, self._infer(func, args, kwargs, out), func._schema.is_mutable)
         elif func is aten.topk.default:
             x, k, dim = (list(args) + [-1])[:3]
             self.picks[out[1]] = x.shape[dim]
@@ -257,7 +267,7 @@ class _Tracer(TorchDispatchMode):
     def _infer(self, func, args, kwargs, out) -> Fill | None:
         """The value model's answer for `out = func(*args)` (class docstring), or None."""
         packet = func.overloadpacket
-        a, b = (self.values.get(x) if isinstance(x, torch.Tensor) else None for x in (*args[:2], None)[:2])
+        a, b = (self.known(x) for x in (*args[:2], None)[:2])
         if packet in _KNOWN:
             return Fill(float(_KNOWN[packet]))
         if packet in _FILLS:
@@ -305,14 +315,14 @@ class _Tracer(TorchDispatchMode):
     def _collective(self, func, args) -> None:
         """A collective passes its input's values on to its output (every rank holds the same: balanced)."""
         name = func.overloadpacket.__name__
-        if name in ("_allgather_base_", "alltoall_base_") and (fill := self.values.get(args[1])) is not None:
-            self.values[args[0]] = fill
+        if name in ("_allgather_base_", "alltoall_base_"):
+            self.know(args[0], self.known(args[1]))
         elif name == "allreduce_":
             op = _RED_OP[args[2].op()]
             for t in args[0]:
-                fill = self.values.get(t)
+                fill = self.known(t)
                 if fill is not None and fill.density == 1 and op == "SUM":
-                    self.values[t] = Fill(fill.value * dist.ProcessGroup.unbox(args[1]).size())
+                    self.know(t, Fill(fill.value * dist.ProcessGroup.unbox(args[1]).size()))
 
 
 aten = torch.ops.aten
@@ -336,6 +346,13 @@ _VIEWS = {aten.index.Tensor, aten.view.default, aten.reshape.default, aten.expan
           aten.select.int, aten.clone.default, aten._to_copy.default, aten.unsqueeze.default, aten.squeeze.dim,
           aten.t.default, aten.transpose.int, aten.permute.default, aten.contiguous, aten._unsafe_view.default,
           aten.alias.default, aten.flatten.using_ints}
+
+
+def _version(x: torch.Tensor) -> int:
+    try:
+        return x._version
+    except RuntimeError:  # an inference-mode tensor has no version counter (and is never changed in place)
+        return 0
 
 
 def _done_work():
@@ -506,7 +523,7 @@ class _Functions(TorchFunctionMode):
             args = (tree_map_only(torch.Tensor, self.tracer._read, args[0]), *args[1:])
         out = func(*args, **(kwargs or {}))
         if func in _KNOWN_FUNCTIONS and isinstance(out, torch.Tensor):
-            self.tracer.values[out] = Fill(float(_KNOWN_FUNCTIONS[func]))
+            self.tracer.know(out, Fill(float(_KNOWN_FUNCTIONS[func])))
         if func == _SET_DATA and isinstance(args[0], FakeTensor) and isinstance(args[1], FakeTensor):
             args[0].fake_device = args[1].fake_device
         return out

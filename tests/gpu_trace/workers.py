@@ -120,7 +120,7 @@ def trainer_steps(arch: str, overrides: list[str], rows: list[int], tp: int = 2,
     DP share), traced as rank `rank` of `world_size`. Returns the parameters' (device, dtype) kinds of the
     policy and reference, and the peak CUDA bytes after the build and after each step; with `push`, then a
     push's export broadcast over the NCCL-like default group as a disaggregated push sends it, and the
-    (HF name, device, dtype) of each tensor the export gave."""
+    (HF name, device, dtype) of each tensor the export gave; and the host synchronizations by site."""
     from qurl_mcore.config import load_config
     from qurl_mcore.loop.trainer import PolicyTrainer
     from qurl_mcore.models.tiny import tiny_checkpoint
@@ -149,6 +149,7 @@ def trainer_steps(arch: str, overrides: list[str], rows: list[int], tp: int = 2,
                     out["pushed"] += [(name, str(t.device), str(t.dtype)) for name, t in bucket]
                     sender.send(bucket)
         trainer.close()
+        out["host_sync_sites"] = dict(trace.sync_sites)
     return out
 
 
