@@ -276,3 +276,13 @@ def host_reads() -> dict:
         out["host_syncs"] = trace.host_syncs
         out["sites"] = dict(trace.sync_sites)
     return out
+
+
+def uaq_per_head_on_device() -> tuple[str, str]:
+    """UAQ's per-head scaling of MLA's kv_b_proj (2 heads of 3 k rows and 2 v rows) on a fake GPU: the
+    output's device and dtype."""
+    from qurl_mcore.uaq import scale_per_head
+
+    with fake_cuda():
+        out = scale_per_head(torch.empty(10, 4, dtype=torch.bfloat16, device="cuda"), "kv_b", (3, 2), 2.0)
+        return str(out.device), str(out.dtype)
