@@ -157,6 +157,7 @@ def _trainer_step(cfg: Config, hf: dict[str, Any], rank: int, world: int, gpu: s
                         mark(name)
                 return run
 
+            _uniform_pipeline_shapes()
             training.forward_backward = phase("forward_backward", training.forward_backward)
             # a traced loss and norm have no values (they read 1): take the update, as a finite step does
             take = phase("optimizer", training.step)
@@ -176,6 +177,24 @@ def _trainer_step(cfg: Config, hf: dict[str, Any], rank: int, world: int, gpu: s
             mark("push")
             trainer.close()
     return peaks
+
+
+def _uniform_pipeline_shapes() -> None:
+    """Pipeline stages exchange each micro-batch's activation shape (`variable_seq_lengths`) as tensors, whose
+    values a trace does not have: every micro-batch of the traced step has the shape the schedule computes from
+    its sequence length and micro-batch size, so the traced stages take that one."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    communicate = P2PCommunicator._communicate
+
+    def uniform(self, *args, **kwargs):
+        saved, self.config.variable_seq_lengths = self.config.variable_seq_lengths, False
+        try:
+            return communicate(self, *args, **kwargs)
+        finally:
+            self.config.variable_seq_lengths = saved
+
+    P2PCommunicator._communicate = uniform
 
 
 def _step(trainer, cfg: Config) -> None:
