@@ -318,8 +318,8 @@ def format_trace(trace: dict[str, Any]) -> str:
         f"measured peak {gib(t['measured_peak_bytes'])}, planned {gib(t['planned_peak_bytes'])} ({_diff(t)}); "
         f"per phase: {phases}; push's export planned {gib(t['planned']['push'])}; {t['host_syncs']} host "
         f"synchronizations a step",
-        f"trace     engine GPU weights after a load (the plugin's quantizer on the first {kinds(e['traced_layers'])} "
-        f"layer, times the layers; {e['seconds']:.0f} s): measured {gib(e['measured_peak_bytes'])} (of it "
+        f"trace     engine GPU weights after a load (the plugin's quantizer on the first layer of each kind, "
+        f"{kinds(e['traced_layers'])}, times the layers of its kind; {e['seconds']:.0f} s): measured {gib(e['measured_peak_bytes'])} (of it "
         f"{gib(e['quantize_transient_bytes'])} while one tensor is quantized), planned {gib(e['planned_peak_bytes'])} "
         f"({_diff(e)}); {e['host_syncs']} host synchronizations a load; KV cache and SGLang's reserve not traced",
     ]
