@@ -44,7 +44,14 @@ class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         module = types.ModuleType(spec.name)
         module.__path__ = []
-        module.__getattr__ = lambda name: _Unavailable(f"{spec.name.partition('.')[2]}.{name}")
+        sub = spec.name.partition(".")[2]
+
+        def unavailable(name: str) -> _Unavailable:
+            if name.startswith("__"):  # `__file__` and the like: absent, as on a module (inspect asks for them)
+                raise AttributeError(name)
+            return _Unavailable(f"{sub}.{name}")
+
+        module.__getattr__ = unavailable
         return module
 
     def exec_module(self, module) -> None:
