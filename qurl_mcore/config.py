@@ -66,6 +66,10 @@ class RolloutConfig:
     offload: Literal["auto", True, False] = "auto"  # engines release their GPU memory while the trainer steps
     push_bucket_mb: int = 512  # bound on one weight-push bucket
     requant: Literal["eager", "compiled"] = "eager"  # engines' re-quantization per push; compiled: torch.compile'd
+    # what a push to quantized engines carries: codes (the trainer's codes and scales, no masters in the engines),
+    # bf16 (full precision, re-quantized by the engines), auto: codes where they serve (qurl_mcore/rollout/codes.py)
+    push: Literal["auto", "codes", "bf16"] = "auto"
+    verify_push: bool = True  # after each push, compare the engines' installed codes with the trainer's (digests)
     # SmoothQuant migration strength α of the engines' copy (qurl_mcore/smoothing.py); 0: off
     smoothing: float = 0.0
     broadcast_timeout_s: float = 120.0  # disaggregated: a broadcast waits this long for a stalled peer, then fails
