@@ -20,7 +20,7 @@ from qurl_mcore.config import Config
 from qurl_mcore.heldout import eval_examples
 from qurl_mcore.recipe import EngineRecipe
 from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
-from qurl_mcore.rollout.codes import push_mode
+from qurl_mcore.models.registry import shape
 from qurl_mcore.rollout.engine import moe_shape
 from qurl_mcore.rollout.results import RequestRefused
 from qurl_mcore.sglang.options import QUANTIZED_LOG_ENV
@@ -44,7 +44,7 @@ def engine_quantization(engine: EngineRecipe | None, requant: str,
                         push: str = "bf16") -> tuple[str | None, dict[str, Any]]:
     """The SGLang method and options of a recipe's engine half (`qurl_mcore.recipe.Recipe.engine`; None: a
     full-precision engine); `requant` is how engines re-quantize pushed weights (`rollout.requant`), `push` what
-    pushes carry (`qurl_mcore.rollout.codes.push_mode`)."""
+    pushes carry (`Config.push_mode`)."""
     if engine is None:
         return None, {}
     return engine.method, {"fmt": engine.fmt, "scope": engine.scope, "requant": requant, "push": push}
@@ -60,7 +60,7 @@ def engine_config(cfg: Config, engine: EngineRecipe | None, model_path: str, dev
     """The engine of a run computing `engine` (the run's `Recipe.engine`); an MoE's engine returns each token's
     routed experts (routing metrics, replay)."""
     r = cfg.rollout
-    push = push_mode(r.push, engine, model_path, r.tp_size, cfg.layout)
+    push = cfg.push_mode(shape(model_path).mla)
     method, options = engine_quantization(engine, r.requant, push)
     extra: dict[str, Any] = {"tp_size": cfg.rollout.tp_size} if cfg.rollout.tp_size > 1 else {}
     if device == "cuda" and cfg.offload_rollout(cuda=True):  # torch_memory_saver's allocator (GPUs only)

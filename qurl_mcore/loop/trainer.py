@@ -44,6 +44,7 @@ from qurl_mcore.rl.losses import aggregation_units, policy_loss
 from qurl_mcore.rollout import HttpEngine, WeightPushError, WeightSpecError
 from qurl_mcore.rollout.broadcast import broadcast_weights, close_weight_group, open_weight_group
 from qurl_mcore.rollout.codes import CodePush, engine_units
+from qurl_mcore.sglang.options import REQUANTS
 from qurl_mcore.smoothing import calibrate, fold_table, smooth_buckets
 from qurl_mcore.tasks import chat_ids
 from qurl_mcore.transfer import bind_gloo_towards, free_port
@@ -487,7 +488,7 @@ class PolicyTrainer:
             return None
         if self._units is None:
             self._units = engine_units(self.hf, options.recipe.groups)
-        return CodePush(options.recipe.spec, self._units, send=options.codes)
+        return CodePush(options.recipe.spec, self._units, send=options.codes, quantizer=REQUANTS[options.requant])
 
     def push_reference(self, endpoint: tuple[str, str | None], version: str) -> float:
         """Collective, like `push_weights`: the weights, as weight `version`, to the BF16 reference engine at

@@ -18,7 +18,7 @@ of summation on any device gives the same number), which the engine reports and 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -41,13 +41,16 @@ def has_global_scale(spec: QuantLinearSpec) -> bool:
     return get_format(spec.fmt).tensor_scale_bytes > 0 and isinstance(spec.weight_granularity, PerBlock)
 
 
-def encode_unit(members: Sequence[NamedTensor], spec: QuantLinearSpec) -> tuple[list[NamedTensor], QTensor]:
+def encode_unit(members: Sequence[NamedTensor], spec: QuantLinearSpec,
+                quantizer: Callable[[torch.Tensor, QuantLinearSpec], QTensor] = quantize_weight,
+                ) -> tuple[list[NamedTensor], QTensor]:
     """The wire tensors (module docstring) of a unit's HF weights `members`, in the engine's row order, and the
-    unit's QTensor Q(concat(members)) (what the engine installs; `digest` reads it)."""
+    unit's QTensor Q(concat(members)) (what the engine installs; `digest` reads it). `quantizer`: `quantize_weight`
+    or `quantize_weight_compiled` (bitwise the same)."""
     if not spec.weight_granularity.row_grouped:
         raise ValueError(f"a code push needs weight groups of one row; {spec.weight_granularity} spans rows")
     weights = [w for _, w in members]
-    q = quantize_weight(weights[0] if len(weights) == 1 else torch.cat(weights), spec)
+    q = quantizer(weights[0] if len(weights) == 1 else torch.cat(weights), spec)
     out: list[NamedTensor] = []
     row = 0
     for name, w in members:

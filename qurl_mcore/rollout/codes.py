@@ -9,46 +9,20 @@ It holds a unit's members until the last of them arrives (a unit never spans mor
 the trainer's export order). It records each unit's digest, which `compare_digests` checks against the one the
 engine reports of what it installed.
 
-What stays full precision in a code push of a quantized engine is exactly what the engine does not quantize;
-MLA's kv_b_proj (DeepSeek-V3 under scope "all") is refused: the engine rebuilds its decode weights (w_kc, w_vc)
-from kv_b_proj's full-precision weight, which a code push does not send.
+What stays full precision in a code push of a quantized engine is exactly what the engine does not quantize.
+Where code pushes serve (engines of TP 1, tensor pushes, no MLA attention in scope) is `Config.push_mode`.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import torch
 
 from qurl_mcore.models.registry import architecture, config_dict, slots
 from qurl_mcore.models.slots import config_experts, dense_layers
-from qurl_mcore.quant import QuantLinearSpec
-from qurl_mcore.recipe import EngineRecipe
+from qurl_mcore.quant import QTensor, QuantLinearSpec, quantize_weight
 from qurl_mcore.quant.wire import NamedTensor, digest, encode_unit, has_global_scale, wire_specs
-
-#: HF weights whose full-precision values the engine needs beside its codes: a code push cannot serve them
-NEEDS_FULL_PRECISION = ("kv_b_proj.weight",)
-
-
-def push_mode(choice: str, engine: EngineRecipe | None, hf_config: Any, tp_size: int, layout: str) -> str:
-    """What a run's pushes carry (`rollout.push`: "auto", "codes" or "bf16"): "bf16" for full-precision engines;
-    "codes" where they serve: engines of TP 1 (an engine's TP shards quantize on their own: the rows of a
-    row-parallel linear get per-shard scales, NVFP4 per-shard global scales), pushed tensors (the colocated
-    layout; the broadcast path sends BF16), no MLA weight in scope (`NEEDS_FULL_PRECISION`). "auto" is codes where they
-    serve, else bf16; "codes" where they do not is refused, naming why."""
-    if engine is None or choice == "bf16":
-        return "bf16"
-    why = []
-    if tp_size != 1:
-        why.append(f"rollout.tp_size is {tp_size}: code pushes serve engines of TP 1")
-    if layout != "colocated":
-        why.append(f"layout is {layout}: code pushes go by tensor (colocated), the broadcast path sends BF16")
-    refused = sorted(n for n in engine_units(hf_config, engine.groups) if n.endswith(NEEDS_FULL_PRECISION))
-    if refused:
-        why.append(f"the engine builds MLA's decode weights from the full-precision values of {refused[0]} (and "
-                   f"{len(refused) - 1} more), which a code push does not send: use a scope without attention")
-    if why and choice == "codes":
-        raise ValueError("rollout.push=codes: " + "; ".join(why) + "; use rollout.push=bf16 or auto")
-    return "bf16" if why else "codes"
-
 
 def engine_units(hf_config: Any, groups: frozenset[str]) -> dict[str, tuple[str, ...]]:
     """HF weight name -> its unit (the HF weight names the engine quantizes as one tensor, in its row order), for
@@ -71,10 +45,12 @@ def engine_units(hf_config: Any, groups: frozenset[str]) -> dict[str, tuple[str,
 class CodePush:
     """A push's stream transform (module docstring): `spec` is the engine's `QuantLinearSpec`, `units` the
     engine's units (`engine_units`); `send` False keeps the full-precision stream (a BF16 push) and only records
-    the digests. After the stream is consumed, `digests` maps each unit's first HF weight to its digest."""
+    the digests; `quantizer` is `quantize_weight` or its compiled twin (`rollout.requant`). After the stream is
+    consumed, `digests` maps each unit's first HF weight to its digest."""
 
-    def __init__(self, spec: QuantLinearSpec, units: dict[str, tuple[str, ...]], send: bool = True):
-        self.spec, self.units, self.send = spec, units, send
+    def __init__(self, spec: QuantLinearSpec, units: dict[str, tuple[str, ...]], send: bool = True,
+                 quantizer: Callable[[torch.Tensor, QuantLinearSpec], QTensor] = quantize_weight):
+        self.spec, self.units, self.send, self.quantizer = spec, units, send, quantizer
         self.digests: dict[str, str] = {}
 
     def buckets(self, stream: Iterable[list[NamedTensor]]) -> Iterator[list[NamedTensor]]:
@@ -92,7 +68,7 @@ class CodePush:
                 if not self.send:
                     out.append((name, w))
                 if len(held) == len(unit):
-                    wire, q = encode_unit([(n, held[n]) for n in unit], self.spec)
+                    wire, q = encode_unit([(n, held[n]) for n in unit], self.spec, self.quantizer)
                     self.digests[unit[0]] = digest(q)
                     if self.send:
                         out += wire
@@ -115,7 +91,7 @@ class CodePush:
         out: list[NamedTensor] = []
         for held in pending.values():
             for name, w in held.items():
-                out += encode_unit([(name, w)], self.spec)[0]
+                out += encode_unit([(name, w)], self.spec, self.quantizer)[0]
         return out
 
 

@@ -10,7 +10,8 @@ from qurl_mcore.quant import quantize_weight
 from qurl_mcore.quant.formats import E4M3_MAX
 from qurl_mcore.quant.wire import GLOBAL_SCALE, SCALE, digest, encode_unit, wire_specs
 from qurl_mcore.recipe import engine_recipe
-from qurl_mcore.rollout.codes import CodePush, compare_digests, engine_units, push_mode, push_specs
+from qurl_mcore.config import load_config
+from qurl_mcore.rollout.codes import CodePush, compare_digests, engine_units, push_specs
 
 #: the engines' weight recipes, one per format
 SPECS = {fmt: engine_recipe(method, fmt, "all").spec for method, fmt in (
@@ -131,19 +132,18 @@ def test_engine_units_are_sglangs_fused_modules_per_layer_and_expert():
                      e + "up_proj.weight" + SCALE: (torch.uint8, [32, 2, 1]), "model.norm.weight": (None, [64])}
 
 
-def test_code_pushes_serve_tp1_tensor_pushes_without_mla_weights():
-    path = tiny_checkpoint("qwen3_moe")
-    int8 = engine_recipe("qurl_int8", "int8", "all")
-    assert push_mode("auto", int8, path, 1, "colocated") == "codes"
-    assert push_mode("auto", None, path, 1, "colocated") == "bf16"
-    assert push_mode("bf16", int8, path, 1, "colocated") == "bf16"
-    assert push_mode("auto", int8, path, 2, "colocated") == "bf16"
-    with pytest.raises(ValueError, match="rollout.tp_size is 2: code pushes serve engines of TP 1"):
-        push_mode("codes", int8, path, 2, "colocated")
-    with pytest.raises(ValueError, match="layout is disaggregated"):
-        push_mode("codes", int8, path, 1, "disaggregated")
-    mla = tiny_checkpoint("deepseek_v3")
-    with pytest.raises(ValueError, match=r"MLA's decode weights .* model.layers.0.self_attn.kv_b_proj.weight"):
-        push_mode("codes", int8, mla, 1, "colocated")
-    assert push_mode("auto", engine_recipe("qurl_fp4", "nvfp4", "experts"), mla, 1, "colocated") == "codes"
+def test_code_pushes_serve_tp1_tensor_pushes_without_mla_attention():
+    def mode(*over: str, mla: bool = False) -> str:
+        return load_config(None, list(over)).push_mode(mla)
 
+    assert mode("precision=int8") == "codes"
+    assert mode("precision=bf16", "rollout.push=codes") == "bf16"  # nothing to quantize
+    assert mode("precision=int8", "rollout.push=bf16") == "bf16"
+    assert mode("precision=int8", "rollout.tp_size=2") == "bf16"
+    with pytest.raises(ValueError, match="rollout.tp_size is 2: code pushes serve engines of TP 1"):
+        mode("precision=int8", "rollout.tp_size=2", "rollout.push=codes")
+    with pytest.raises(ValueError, match="layout is disaggregated"):
+        mode("precision=int8", "layout=disaggregated", "rollout.push=codes")
+    with pytest.raises(ValueError, match="scope all quantizes MLA's kv_b_proj"):
+        mode("precision=int8", "rollout.push=codes", mla=True)
+    assert mode("precision=fp4", "rollout.push=codes", mla=True) == "codes"  # scope experts
