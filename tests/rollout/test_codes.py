@@ -147,3 +147,34 @@ def test_code_pushes_serve_tp1_tensor_pushes_without_mla_attention():
     with pytest.raises(ValueError, match="scope all quantizes MLA's kv_b_proj"):
         mode("precision=int8", "rollout.push=codes", mla=True)
     assert mode("precision=fp4", "rollout.push=codes", mla=True) == "codes"  # scope experts
+
+
+def test_a_session_loads_codes_into_the_storage_that_serves_and_leaves_nothing_behind():
+    """The engine's half without an engine: `attach_codes` registers Parameters over the installed QTensor, a
+    loader writes a pushed expert's rows through them (gate rows first, up rows second, another EP rank's expert
+    skipped), `detach_codes` takes them off again."""
+    from qurl_mcore.sglang import weights
+    from qurl_mcore.sglang.moe import expert_rows_loader
+
+    spec = SPECS["nvfp4"]
+    experts = [quantize_weight(torch.randn(8, 32), spec) for _ in range(2)]
+    stacked, _ = weights.stack(experts)
+    layer = torch.nn.Module()
+    layer._map_global_expert_id_to_local_expert_id = lambda e: e - 2 if e >= 2 else -1  # this rank: experts 2, 3
+    load = expert_rows_loader(layer, "w13_weight")
+    weights.attach_codes(layer, "w13_weight", stacked, load, load)
+    assert {n for n, _ in layer.named_parameters()} == {"w13_weight", "w13_weight_scale", "w13_weight_global_scale"}
+    assert layer.w13_weight.data_ptr() == stacked.data.data_ptr()
+    gate, up = torch.randn(4, 32), torch.randn(4, 32) * 5
+    wire = dict(encode_unit([("gate", gate), ("up", up)], spec)[0])
+    for shard, name in (("w1", "gate"), ("w3", "up")):
+        for suffix in ("", SCALE, GLOBAL_SCALE):
+            param = getattr(layer, "w13_weight" + suffix)
+            param.weight_loader(param, wire[name + suffix], "w13", shard, expert_id=3)
+            param.weight_loader(param, wire[name + suffix].clone().zero_(), "w13", shard, expert_id=0)  # skipped
+    assert weights.detach_codes(layer) and not list(layer.named_parameters())
+    assert not weights.detach_codes(layer)
+    fused = quantize_weight(torch.cat([gate, up]), spec)
+    assert torch.equal(stacked.data[1], fused.data) and torch.equal(stacked.data[0], experts[0].data)
+    assert torch.equal(stacked.scale[1].view(torch.uint8), fused.scale.view(torch.uint8))
+    assert torch.equal(stacked.global_scale[1], fused.global_scale)
