@@ -73,19 +73,17 @@ def main() -> None:
 
     path = str(hf_checkpoint())
     tensors = list(load_file(f"{path}/model.safetensors").items())
-    base = measure(path, tensors, None, {}, args.device, args.repeats)
-    rows = [("bf16", "", base)]
-    for fmt in args.formats:
-        for push in PUSHES:
-            options = {"fmt": fmt, "scope": "all", "requant": args.requant,
-                       "push": "codes" if push == "codes" else "bf16"}
-            rows.append((push, fmt, measure(path, tensors, FORMATS[fmt], options, args.device, args.repeats)))
     mib = 1 << 20
     print(f"{'push':8s} {'fmt':9s} {'push s':>7s} {'/ bf16':>7s} {'wire MiB':>9s} {'/ bf16':>7s} "
-          f"{'masters MiB':>12s} {'RSS MiB':>8s}")
-    for push, fmt, m in rows:
+          f"{'masters MiB':>12s} {'RSS MiB':>8s}", flush=True)
+    base = None
+    for push, fmt in [("bf16", "")] + [(push, fmt) for fmt in args.formats for push in PUSHES]:
+        options = {"fmt": fmt, "scope": "all", "requant": args.requant,
+                   "push": "codes" if push == "codes" else "bf16"} if fmt else {}
+        m = measure(path, tensors, FORMATS.get(fmt), options, args.device, args.repeats)
+        base = base or m
         print(f"{push:8s} {fmt:9s} {m['s']:7.3f} {m['s'] / base['s']:7.2f} {m['wire'] / mib:9.1f} "
-              f"{m['wire'] / base['wire']:7.2f} {m['masters'] / mib:12.1f} {m['rss'] / mib:8.0f}")
+              f"{m['wire'] / base['wire']:7.2f} {m['masters'] / mib:12.1f} {m['rss'] / mib:8.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,18 +23,18 @@ import json
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from safetensors import safe_open
 
 from qurl_mcore.transfer import NamedTensor, buckets, dtype_name
 
+from qurl_mcore.sglang.weights import DIGESTS
+
+from .codes import CodePush, compare_digests, engine_units, push_specs
 from .engine_config import EngineConfig
 from .results import Generation, parse_batch
-
-if TYPE_CHECKING:
-    from .codes import CodePush
 
 #: default push bucket: 512 MiB bounds the extra memory of one push on both sides
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -257,28 +257,22 @@ class RolloutEngine(ABC):
 
     def _push_specs(self) -> dict[str, tuple[Any, list[int]]]:
         """name -> (dtype or None: any floating dtype, shape) of every tensor a push may send: the checkpoint's
-        tensors, or for a code push the wire tensors of the weights the engine quantizes (`rollout.codes`); empty
-        when the engine's directory holds no safetensors (nothing is checked then)."""
+        tensors, or for a code push the wire tensors of the weights the engine quantizes (`codes.push_specs`);
+        empty when the engine's directory holds no safetensors (nothing is checked then)."""
         shapes = _checkpoint_shapes(self.config.model_path) or {}
         if not (self.codes and shapes):
             return {name: (None, shape) for name, shape in shapes.items()}
-        from .codes import engine_units, push_specs
-
         recipe = self.config.options().recipe
         return push_specs(shapes, recipe.spec, engine_units(self.config.model_path, recipe.groups))
 
     def installed_digests(self) -> dict[str, str]:
         """HF name of each quantized unit's first weight -> the digest of the codes and scales the engine serves
         (`qurl_mcore.quant.wire.digest`; empty for a full-precision engine)."""
-        from qurl_mcore.sglang.weights import DIGESTS
-
         return self._control("get_weights_by_name", name=DIGESTS, truncate_size=0) or {}
 
-    def verify_push(self, push: "CodePush") -> None:
+    def verify_push(self, push: CodePush) -> None:
         """Raise RefitMismatch naming every unit whose installed codes are not the ones `push` quantized (a unit
         quantized on one side only included): the refit check of `rollout.verify_push`."""
-        from .codes import compare_digests
-
         problems = compare_digests(push, self.installed_digests())
         if problems:
             raise RefitMismatch(f"the engine's weights differ from the trainer's after the push ({len(problems)} "

@@ -61,3 +61,26 @@ def test_a_code_push_installs_what_a_bf16_push_and_requantization_install(arch, 
         assert got and got == want, step
         assert torch.equal(got_lp, want_lp), step
     assert bf16["full"][0] != bf16["partial"][0]  # the partial push changed a unit
+
+
+def test_a_code_push_over_http_leaves_an_engine_serving_its_checkpoint_bitwise_unchanged():
+    """The loop's path: codes and scales through the HTTP server's tensor handles (int8/float8/uint8 and 0-dim
+    tensors), and the refit check's digests through its `get_weights_by_name`."""
+    from qurl_mcore.rollout import EngineConfig, HttpEngine
+
+    path = model_path("qwen3_moe")
+    recipe = engine_recipe("qurl_fp4", "nvfp4", "all")
+    config = EngineConfig(path, "qurl_fp4", {"fmt": "nvfp4", "scope": "all", "push": "codes"}, device="cpu",
+                          dtype="bfloat16", mem_fraction_static=0.2, max_total_tokens=4096, context_length=1024)
+    engine = HttpEngine.launch(config, startup_timeout=240, timeout=120)
+    try:
+        ids = prompt_ids(path)
+        before = score(engine, ids)
+        codes = CodePush(recipe.spec, engine_units(path, recipe.groups))
+        engine.push_weights((nt for b in codes.buckets(_stream(checkpoint_tensors(path))) for nt in b),
+                            version="same", bucket_bytes=BUCKET)
+        engine.verify_push(codes)
+        assert len(codes.digests) == len(engine.installed_digests()) > 0
+        assert torch.equal(score(engine, ids), before)
+    finally:
+        engine.shutdown()
