@@ -488,7 +488,8 @@ class PolicyTrainer:
             return None
         if self._units is None:
             self._units = engine_units(self.hf, options.recipe.groups)
-        return CodePush(options.recipe.spec, self._units, send=options.codes, quantizer=REQUANTS[options.requant])
+        return CodePush(options.recipe.spec, self._units, send=options.codes, quantizer=REQUANTS[options.requant],
+                        verify=self.cfg.rollout.verify_push)
 
     def push_reference(self, endpoint: tuple[str, str | None], version: str) -> float:
         """Collective, like `push_weights`: the weights, as weight `version`, to the BF16 reference engine at

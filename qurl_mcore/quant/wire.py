@@ -17,6 +17,7 @@ of summation on any device gives the same number), which the engine reports and 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 
@@ -31,9 +32,8 @@ SCALE = "_scale"
 GLOBAL_SCALE = "_global_scale"
 NamedTensor = tuple[str, torch.Tensor]
 
-#: bytes per digest chunk: its weighted sum stays below 2^63 (255 · 65521 · 2^22)
+#: int64 words per digest chunk
 _CHUNK = 1 << 22
-_MODULUS = 65521
 
 
 def has_global_scale(spec: QuantLinearSpec) -> bool:
@@ -78,18 +78,28 @@ def wire_specs(name: str, shape: Sequence[int], spec: QuantLinearSpec) -> dict[s
 
 
 def digest(q: QTensor) -> str:
-    """A fingerprint of the bytes of a QTensor's codes, scales and global scale: per field and chunk of 2^22
-    bytes, Σ b and Σ b·(i mod 65521 + 1) over its bytes b at offsets i, in int64 (exact, so any order and device
-    of summation agree), hashed with the chunk's place. Reads the tensors where they are; a chunk costs one pass
-    and a host sync."""
+    """A fingerprint of the bytes of a QTensor's codes, scales and global scale: each field's bytes read as int64
+    words (the tail zero-padded), per chunk of 2^22 words Σ w and Σ w·(i + 1) over its words w at offsets i, in
+    int64 arithmetic (wrapping: exact modulo 2^64, so any order and device of summation agree), hashed with the
+    chunk's place. One multiply and two sums over the codes, where they are; a host sync per chunk."""
     h = hashlib.sha256()
     for field in (q.data, q.scale, q.global_scale):
         if field is not None:
             flat = field.detach().contiguous().reshape(-1).view(torch.uint8)
-            for start in range(0, flat.numel(), _CHUNK):
-                b = flat[start:start + _CHUNK].to(torch.int64)
-                weights = torch.arange(start, start + b.numel(), device=b.device) % _MODULUS + 1
-                total, weighted = torch.stack([b.sum(), (b * weights).sum()]).tolist()
+            words = torch.nn.functional.pad(flat, (0, -flat.numel() % 8)).view(torch.int64)
+            for start in range(0, words.numel(), _CHUNK):
+                w = words[start:start + _CHUNK]
+                total, weighted = torch.stack([w.sum(), (w * _positions(w.numel(), w.device)).sum()]).tolist()
                 h.update(f"{start}:{total}:{weighted};".encode())
         h.update(b"|")
     return h.hexdigest()[:32]
+
+
+@functools.cache
+def _chunk_positions(device: torch.device) -> torch.Tensor:
+    return torch.arange(1, _CHUNK + 1, dtype=torch.int64, device=device)
+
+
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    """1..n as int64 on `device` (a cached chunk's worth, sliced)."""
+    return _chunk_positions(device)[:n]
