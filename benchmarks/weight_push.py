@@ -1,12 +1,20 @@
-"""One full weight push of SmolLM2-135M-Instruct into a real SGLang engine, per qurl method, as a ratio to
-the same push into a BF16 engine, measured in one run (CPU here; pass --device cuda on a GPU).
+"""Weight pushes of SmolLM2-135M-Instruct into real SGLang engines, per format, side by side in one run (CPU here;
+pass --device cuda on a GPU):
 
-A push is the whole update session: begin_weight_update (quantized layers re-attach their full-precision
-weights), update_weights_from_tensor of every checkpoint tensor in 512 MiB buckets, end_weight_update
-(re-quantization with qurl_mcore.quant, eager or compiled: the `requant` option), and the weight-version check.
-A compiled engine compiles when it loads, so the timed pushes (after one warm-up push) do not include it.
+  bf16     a BF16 push into a BF16 engine (the reference)
+  requant  a BF16 push into a quantized engine that keeps full-precision masters and re-quantizes them
+           (`push: bf16`, re-quantizer `--requant`)
+  codes    a code push (`push: codes`): the trainer quantizes each unit once (`qurl_mcore.rollout.codes`, with
+           the same `--requant` quantizer; timed as part of the push) and the engine installs the codes in place,
+           with no masters
 
-Usage: python benchmarks/weight_push.py [--repeats 3] [--device cpu] [--methods qurl_int8 qurl_fp8 ...]
+A push is the whole update session (begin_weight_update, update_weights_from_tensor per 512 MiB bucket,
+end_weight_update, the version check), median of `--repeats` after a warm-up push; `wire MiB` is what the
+buckets carry. `masters MiB` is what an engine holds beside its codes (the full-precision copy of every quantized
+weight), `RSS MiB` the resident memory of the engine's processes after the pushes (host memory; the weights of a
+GPU engine are in device memory instead, masters in pinned host memory). Scope "all": every linear quantized.
+
+Usage: python benchmarks/weight_push.py [--repeats 3] [--device cpu] [--formats int8 fp8_e4m3 nvfp4 mxfp4]
 """
 from __future__ import annotations
 
@@ -14,50 +22,68 @@ import argparse
 import statistics
 import time
 
-from qurl_mcore.precision import METHODS as QURL_METHODS
-from qurl_mcore.sglang.options import REQUANTS
-
-#: a BF16 engine, then every qurl method in every format it takes (scope all: every linear re-quantizes), with
-#: each re-quantizer (`requant`: eager, compiled)
-METHODS = [(None, {})] + [(m.name, {"fmt": fmt, "scope": "all", "requant": r}) for r in REQUANTS
-                          for m in QURL_METHODS.values() for fmt in m.formats]
+#: format -> the qurl method that runs it
+FORMATS = {"int8": "qurl_int8", "fp8_e4m3": "qurl_fp8", "nvfp4": "qurl_fp4", "mxfp4": "qurl_fp4"}
+PUSHES = ("requant", "codes")
+BUCKET = 512 << 20
 
 
-def push_seconds(method, options, device: str, repeats: int) -> float:
-    from safetensors.torch import load_file
+def measure(path: str, tensors: list, method: str | None, options: dict, device: str, repeats: int) -> dict:
+    """Median push seconds, wire bytes, masters bytes and engine RSS of one engine."""
+    import psutil
 
-    from qurl_mcore.models.smollm2 import hf_checkpoint
+    from qurl_mcore.recipe import engine_recipe
     from qurl_mcore.rollout import EngineConfig, LocalEngine
+    from qurl_mcore.rollout.codes import CodePush, engine_units
+    from qurl_mcore.sglang.options import REQUANTS
+    from qurl_mcore.transfer import buckets, nbytes
 
-    path = str(hf_checkpoint())
-    tensors = list(load_file(f"{path}/model.safetensors").items())
     config = EngineConfig(path, method, options, device=device, mem_fraction_static=0.2, max_total_tokens=4096,
-                          context_length=1024)
+                          context_length=1024, extra={"skip_tokenizer_init": True})
+    recipe = engine_recipe(method, options["fmt"], options["scope"]) if method else None
+    units = engine_units(path, recipe.groups) if recipe else {}
+    codes = options.get("push") == "codes"
     with LocalEngine(config) as engine:
-        times = []
+        times, wire = [], 0
         for i in range(repeats + 1):  # the first push warms up
-            t = time.perf_counter()
-            engine.push_weights(tensors, version=f"bench-{i}")
-            times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])
+            start = time.perf_counter()
+            stream = buckets(tensors, BUCKET)
+            if codes:
+                stream = CodePush(recipe.spec, units, quantizer=REQUANTS[options["requant"]]).buckets(stream)
+            sent = [nt for bucket in stream for nt in bucket]
+            engine.push_weights(sent, version=f"bench-{i}", bucket_bytes=BUCKET)
+            times.append(time.perf_counter() - start)
+            wire = sum(nbytes(t) for _, t in sent)
+        rss = sum(psutil.Process(pid).memory_info().rss for pid in engine._processes)
+    masters = 0 if codes or not method else sum(nbytes(t) for n, t in tensors if n in units)
+    return {"s": statistics.median(times[1:]), "wire": wire, "masters": masters, "rss": rss}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--methods", nargs="*", help="qurl methods to compare with bf16 (default: all)")
+    parser.add_argument("--requant", default="eager", choices=("eager", "compiled"))
+    parser.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
     args = parser.parse_args()
-    rows = []
-    for method, options in METHODS:
-        if method is not None and args.methods and method not in args.methods:
-            continue
-        rows.append((method or "bf16", options.get("fmt", ""), options.get("requant", ""),
-                     push_seconds(method, options, args.device, args.repeats)))
-    base = rows[0][3]
-    print(f"{'method':12s} {'fmt':9s} {'requant':9s} {'push s':>8s} {'/ bf16':>7s}")
-    for method, fmt, requant, sec in rows:
-        print(f"{method:12s} {fmt:9s} {requant:9s} {sec:8.3f} {sec / base:7.2f}")
+
+    from safetensors.torch import load_file
+
+    from qurl_mcore.models.smollm2 import hf_checkpoint
+
+    path = str(hf_checkpoint())
+    tensors = list(load_file(f"{path}/model.safetensors").items())
+    mib = 1 << 20
+    print(f"{'push':8s} {'fmt':9s} {'push s':>7s} {'/ bf16':>7s} {'wire MiB':>9s} {'/ bf16':>7s} "
+          f"{'masters MiB':>12s} {'RSS MiB':>8s}", flush=True)
+    base = None
+    for push, fmt in [("bf16", "")] + [(push, fmt) for fmt in args.formats for push in PUSHES]:
+        options = {"fmt": fmt, "scope": "all", "requant": args.requant,
+                   "push": "codes" if push == "codes" else "bf16"} if fmt else {}
+        m = measure(path, tensors, FORMATS.get(fmt), options, args.device, args.repeats)
+        base = base or m
+        print(f"{push:8s} {fmt:9s} {m['s']:7.3f} {m['s'] / base['s']:7.2f} {m['wire'] / mib:9.1f} "
+              f"{m['wire'] / base['wire']:7.2f} {m['masters'] / mib:12.1f} {m['rss'] / mib:8.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,11 @@ class RolloutConfig:
     offload: Literal["auto", True, False] = "auto"  # engines release their GPU memory while the trainer steps
     push_bucket_mb: int = 512  # bound on one weight-push bucket
     requant: Literal["eager", "compiled"] = "eager"  # engines' re-quantization per push; compiled: torch.compile'd
+    # what a push to quantized engines carries: codes (the trainer's codes and scales, no masters in the engines),
+    # bf16 (full precision, re-quantized by the engines), auto: codes where they serve (qurl_mcore/rollout/codes.py);
+    # bf16 stays the default until code pushes serve every layout and TP (docs/rollout.md, "Code pushes")
+    push: Literal["auto", "codes", "bf16"] = "bf16"
+    verify_push: bool = True  # after each push, compare the engines' installed codes with the trainer's (digests)
     # SmoothQuant migration strength α of the engines' copy (qurl_mcore/smoothing.py); 0: off
     smoothing: float = 0.0
     broadcast_timeout_s: float = 120.0  # disaggregated: a broadcast waits this long for a stalled peer, then fails
@@ -195,6 +200,28 @@ class Config:
         cuda = torch.cuda.is_available() if cuda is None else cuda
         choice = self.rollout.offload
         return choice is True or (choice == "auto" and cuda and self.layout == "colocated")
+
+    def push_mode(self, mla: bool) -> str:
+        """What weight pushes carry (`rollout.push`): "bf16" for full-precision engines; "codes" where a code push
+        serves: engines of TP 1 (each TP shard quantizes on its own: a row-parallel linear's shards get scales of
+        their own, NVFP4 units a global scale per shard), tensor pushes (the colocated layout; the broadcast path
+        sends BF16), and no MLA attention in scope (`mla`: the model has MLA; its engine rebuilds the decode
+        weights from kv_b_proj's full-precision values, which a code push does not send). "auto" is codes where
+        it serves, else bf16; "codes" where it does not is refused, naming why."""
+        p, scope, _ = self.resolved_precision()
+        if p.rollout is None or self.rollout.push == "bf16":
+            return "bf16"
+        why = []
+        if self.rollout.tp_size != 1:
+            why.append(f"rollout.tp_size is {self.rollout.tp_size}: code pushes serve engines of TP 1")
+        if self.layout != "colocated":
+            why.append(f"layout is {self.layout}: code pushes go by tensor (colocated), the broadcast path sends BF16")
+        if mla and "attention" in SCOPES[scope]:
+            why.append(f"scope {scope} quantizes MLA's kv_b_proj, whose full-precision values the engine needs for "
+                       "its decode weights (a code push does not send them): use scope experts")
+        if why and self.rollout.push == "codes":
+            raise ValueError("rollout.push=codes: " + "; ".join(why) + "; or use rollout.push=bf16 or auto")
+        return "bf16" if why else "codes"
 
     def resolved_precision(self):
         """(precision row, scope, format) with the defaults filled in (`qurl_mcore.precision.select`)."""

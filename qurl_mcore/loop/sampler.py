@@ -20,6 +20,7 @@ from qurl_mcore.config import Config
 from qurl_mcore.heldout import eval_examples
 from qurl_mcore.recipe import EngineRecipe
 from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
+from qurl_mcore.models.registry import shape
 from qurl_mcore.rollout.engine import moe_shape
 from qurl_mcore.rollout.results import RequestRefused
 from qurl_mcore.sglang.options import QUANTIZED_LOG_ENV
@@ -39,12 +40,14 @@ def _ray():
     return ray
 
 
-def engine_quantization(engine: EngineRecipe | None, requant: str) -> tuple[str | None, dict[str, Any]]:
+def engine_quantization(engine: EngineRecipe | None, requant: str,
+                        push: str = "bf16") -> tuple[str | None, dict[str, Any]]:
     """The SGLang method and options of a recipe's engine half (`qurl_mcore.recipe.Recipe.engine`; None: a
-    full-precision engine); `requant` is how engines re-quantize pushed weights (`rollout.requant`)."""
+    full-precision engine); `requant` is how engines re-quantize pushed weights (`rollout.requant`), `push` what
+    pushes carry (`Config.push_mode`)."""
     if engine is None:
         return None, {}
-    return engine.method, {"fmt": engine.fmt, "scope": engine.scope, "requant": requant}
+    return engine.method, {"fmt": engine.fmt, "scope": engine.scope, "requant": requant, "push": push}
 
 
 def new_api_key() -> str:
@@ -56,7 +59,9 @@ def new_api_key() -> str:
 def engine_config(cfg: Config, engine: EngineRecipe | None, model_path: str, device: str) -> EngineConfig:
     """The engine of a run computing `engine` (the run's `Recipe.engine`); an MoE's engine returns each token's
     routed experts (routing metrics, replay)."""
-    method, options = engine_quantization(engine, cfg.rollout.requant)
+    r = cfg.rollout
+    push = cfg.push_mode(shape(model_path).mla)
+    method, options = engine_quantization(engine, r.requant, push)
     extra: dict[str, Any] = {"tp_size": cfg.rollout.tp_size} if cfg.rollout.tp_size > 1 else {}
     if device == "cuda" and cfg.offload_rollout(cuda=True):  # torch_memory_saver's allocator (GPUs only)
         extra["enable_memory_saver"] = True

@@ -43,6 +43,8 @@ from qurl_mcore.recipe import Recipe, check_runnable
 from qurl_mcore.rl.losses import aggregation_units, policy_loss
 from qurl_mcore.rollout import HttpEngine, WeightPushError, WeightSpecError
 from qurl_mcore.rollout.broadcast import broadcast_weights, close_weight_group, open_weight_group
+from qurl_mcore.rollout.codes import CodePush, engine_units
+from qurl_mcore.sglang.options import REQUANTS
 from qurl_mcore.smoothing import calibrate, fold_table, smooth_buckets
 from qurl_mcore.tasks import chat_ids
 from qurl_mcore.transfer import bind_gloo_towards, free_port
@@ -140,6 +142,7 @@ class PolicyTrainer:
         self.engine_ids: list[int] = []  # the engines this rank pushes to (connect_engines)
         self.engines: list = []  # their clients
         self.sender = None  # rank 0 of the weight broadcast group (disaggregated layout)
+        self._units: dict[str, tuple[str, ...]] | None = None  # the engines' quantized units (rollout/codes.py)
 
     # -- log-probs ------------------------------------------------------------------------------------------
     def _pad_width(self, batch: TrainBatch) -> TrainBatch:
@@ -449,28 +452,46 @@ class PolicyTrainer:
 
     def push_weights(self, version: str, only: list[int] | None = None) -> float:
         """Stream this rank's weights to its engines as weight `version` (of `only` those engines, if
-        given), one bucket at a time (`weight_stream`). Collective: every rank iterates the whole export, also
-        after its own engine failed. Returns the seconds taken; raises EngineFailure naming the engine that
-        failed."""
+        given), one bucket at a time (`weight_stream`): as codes and scales to engines that take them
+        (`rollout.push`), and with the refit check after it (`rollout.verify_push`: a RefitMismatch names the
+        units that differ and stops the run). Collective: every rank iterates the whole export, also after its
+        own engine failed. Returns the seconds taken; raises EngineFailure naming the engine that failed."""
         start = time.perf_counter()
         targets = [k for k, i in enumerate(self.engine_ids) if only is None or i in only]
         failure: Exception | None = None
         with self.weight_stream(smoothed=True) as stream:
+            codes = self._code_push()
+            out = codes.buckets(stream) if codes is not None else stream
             try:
+                pushed: list[int] = []
                 if self.sender is not None:
-                    broadcast_weights(self.sender, self.engines, stream, version)
+                    broadcast_weights(self.sender, self.engines, out, version)
+                    pushed = list(range(len(self.engines)))
                 elif targets:
-                    (k,) = targets
-                    self.engines[k].push_weights((nt for bucket in stream for nt in bucket), version,
+                    (k,) = pushed = targets
+                    self.engines[k].push_weights((nt for bucket in out for nt in bucket), version,
                                                  bucket_bytes=self.cfg.rollout.push_bucket_mb << 20)
+                for k in pushed if codes is not None and self.cfg.rollout.verify_push else ():
+                    self.engines[k].verify_push(codes)
             except WeightSpecError:
-                raise  # our export disagrees with the checkpoint: no engine restart fixes that
+                raise  # our export disagrees with the checkpoint or the engine's codes: no engine restart fixes that
             except Exception as err:  # noqa: BLE001 - a transport or engine error: that engine restarts
                 k = err.engine if isinstance(err, WeightPushError) and err.engine is not None else targets[0]
                 failure = EngineFailure(self.engine_ids[k], f"weight push: {type(err).__name__}: {err}"[:2000])
         if failure is not None:
             raise failure
         return time.perf_counter() - start
+
+    def _code_push(self) -> CodePush | None:
+        """The push's transform (`qurl_mcore.rollout.codes`): codes for engines that take them, else the digests of
+        `rollout.verify_push` alone; None for full-precision engines or with neither."""
+        options = self.engines[0].config.options() if self.engines else None
+        if options is None or not (options.codes or self.cfg.rollout.verify_push):
+            return None
+        if self._units is None:
+            self._units = engine_units(self.hf, options.recipe.groups)
+        return CodePush(options.recipe.spec, self._units, send=options.codes, quantizer=REQUANTS[options.requant],
+                        verify=self.cfg.rollout.verify_push)
 
     def push_reference(self, endpoint: tuple[str, str | None], version: str) -> float:
         """Collective, like `push_weights`: the weights, as weight `version`, to the BF16 reference engine at

@@ -30,6 +30,9 @@ from safetensors import safe_open
 
 from qurl_mcore.transfer import NamedTensor, buckets, dtype_name
 
+from qurl_mcore.sglang.weights import DIGESTS
+
+from .codes import CodePush, compare_digests, engine_units, push_specs
 from .engine_config import EngineConfig
 from .results import Generation, parse_batch
 
@@ -57,6 +60,14 @@ class WeightSpecError(WeightPushError):
 
     def __reduce__(self):
         return WeightSpecError, (str(self), self.engine)
+
+
+class RefitMismatch(WeightSpecError):
+    """After a push the engine serves other codes than the trainer quantized (`rollout.verify_push`): the two
+    sides disagree on what is quantized or how, which no restart fixes."""
+
+    def __reduce__(self):
+        return RefitMismatch, (str(self), self.engine)
 
 
 def moe_shape(model_path: str) -> tuple[int, int] | None:
@@ -102,7 +113,7 @@ class RolloutEngine(ABC):
     def __init__(self, config: EngineConfig):
         self.config = config
         self._moe_shape = moe_shape(config.model_path)
-        self._shapes: dict[str, list[int]] | None = None  # checkpoint tensor shapes, read on first use
+        self._specs: dict[str, tuple[Any, list[int]]] | None = None  # what a push may send, read on first use
 
     # -- transport, per engine kind ---------------------------------------------------------------------
     @abstractmethod
@@ -208,8 +219,8 @@ class RolloutEngine(ABC):
 
     def _checked(self, bucket_specs: Iterable[BucketSpec]) -> Iterator[BucketSpec]:
         """The buckets of `bucket_specs` one by one, each validated before it is handed on."""
-        if self._shapes is None:
-            self._shapes = _checkpoint_shapes(self.config.model_path) or {}
+        if self._specs is None:
+            self._specs = self._push_specs()
         for bucket in bucket_specs:
             bucket, errors = list(bucket), []
             for entry in bucket:
@@ -219,18 +230,53 @@ class RolloutEngine(ABC):
                 except (TypeError, ValueError):
                     errors.append(f"{entry!r} is not (name, dtype, shape)")
                     continue
+                want_dtype, want_shape = self._specs.get(name, (None, None))
                 torch_dtype = getattr(torch, dtype_name(dtype), None)
-                if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+                if want_dtype is not None and torch_dtype != want_dtype:
+                    errors.append(f"{name}: dtype {dtype!r} != the code push's {dtype_name(want_dtype)}")
+                elif want_dtype is None and (not isinstance(torch_dtype, torch.dtype) or
+                                             not torch_dtype.is_floating_point):
                     errors.append(f"{name}: dtype {dtype!r} is not a floating torch dtype")
                 if not ok_shape:
                     errors.append(f"{name}: shape {shape!r} is not a list of sizes")
-                elif self._shapes and name not in self._shapes:
-                    errors.append(f"{name}: not a tensor of the checkpoint")
-                elif self._shapes and list(shape) != self._shapes[name]:
-                    errors.append(f"{name}: shape {list(shape)} != checkpoint {self._shapes[name]}")
+                elif self._specs and want_shape is None:
+                    errors.append(f"{name}: not a tensor of the checkpoint" + (" (a code push sends codes of "
+                                  "quantized weights only)" if self.codes else ""))
+                elif self._specs and list(shape) != want_shape:
+                    errors.append(f"{name}: shape {list(shape)} != {'the code push' if self.codes else 'checkpoint'}"
+                                  f" {want_shape}")
             if errors:
                 raise WeightSpecError(f"bad weight push ({len(errors)}): " + "; ".join(errors[:10]))
             yield bucket
+
+    @property
+    def codes(self) -> bool:
+        """Whether this engine takes code pushes (its `push: codes` option)."""
+        options = self.config.options()
+        return options is not None and options.codes
+
+    def _push_specs(self) -> dict[str, tuple[Any, list[int]]]:
+        """name -> (dtype or None: any floating dtype, shape) of every tensor a push may send: the checkpoint's
+        tensors, or for a code push the wire tensors of the weights the engine quantizes (`codes.push_specs`);
+        empty when the engine's directory holds no safetensors (nothing is checked then)."""
+        shapes = _checkpoint_shapes(self.config.model_path) or {}
+        if not (self.codes and shapes):
+            return {name: (None, shape) for name, shape in shapes.items()}
+        recipe = self.config.options().recipe
+        return push_specs(shapes, recipe.spec, engine_units(self.config.model_path, recipe.groups))
+
+    def installed_digests(self) -> dict[str, str]:
+        """HF name of each quantized unit's first weight -> the digest of the codes and scales the engine serves
+        (`qurl_mcore.quant.wire.digest`; empty for a full-precision engine)."""
+        return self._control("get_weights_by_name", name=DIGESTS, truncate_size=0) or {}
+
+    def verify_push(self, push: CodePush) -> None:
+        """Raise RefitMismatch naming every unit whose installed codes are not the ones `push` quantized (a unit
+        quantized on one side only included): the refit check of `rollout.verify_push`."""
+        problems = compare_digests(push, self.installed_digests())
+        if problems:
+            raise RefitMismatch(f"the engine's weights differ from the trainer's after the push ({len(problems)} "
+                                f"units): " + "; ".join(problems[:10]))
 
     def receive_weights(self, bucket_specs: Iterable[BucketSpec], version: str, group_name: str) -> int:
         """Receive a broadcast push over `group_name` as weight `version`: one update session with

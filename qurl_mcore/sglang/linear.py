@@ -1,4 +1,5 @@
-"""SGLang linear method: BF16 weights in, `qurl_mcore.quant` numerics out (see weights.py for the refit cycle)."""
+"""SGLang linear method: BF16 weights or the trainer's codes in, `qurl_mcore.quant` numerics out (see weights.py
+for the refit cycle)."""
 from __future__ import annotations
 
 import torch
@@ -33,14 +34,20 @@ class QurlLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer) -> None:
-        if not weights.is_loaded(layer, "weight"):
-            return  # already quantized and nothing was restored since
+        if weights.detach_codes(layer) or not weights.is_loaded(layer, "weight"):
+            return  # a code push installed its codes, or nothing was restored since the last quantization
         fresh = self.quantize_weight(weights.at_home(layer, "weight", layer.weight.data), self.spec)
         layer.qurl_weight = weights.store(getattr(layer, "qurl_weight", None), fresh)
-        weights.detach_master(layer, "weight", host=self.options.master == "host")
+        if self.options.codes:
+            weights.release(layer, "weight")
+        else:
+            weights.detach_master(layer, "weight", host=self.options.master == "host")
 
     def restore_weights_before_loading(self, layer) -> None:
-        weights.attach_master(layer, "weight")
+        if self.options.codes:  # SGLang's own loader shards codes and scales by rows and columns as it does W
+            weights.attach_codes(layer, "weight", layer.qurl_weight, layer.weight_loader, weights.copy_whole)
+        else:
+            weights.attach_master(layer, "weight")
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         wq = layer.qurl_weight

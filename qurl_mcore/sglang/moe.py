@@ -21,6 +21,24 @@ from .options import REQUANTS, QurlOptions
 _WEIGHTS = ("w13_weight", "w2_weight")
 
 
+def expert_rows_loader(layer, name: str):
+    """A weight loader for one of a code push's stacked expert tensors (`name`: w13_weight or w2_weight, or its
+    scales): an expert's gate rows (shard w1) fill the first half of its w13 rows, its up rows (w3) the second,
+    its down rows (w2) all of w2; a global scale ([E]) takes the expert's one value. Experts of other EP ranks
+    are skipped, as SGLang's loader skips them; the code push's units are whole experts (expert TP 1)."""
+    def load(param, loaded: torch.Tensor, weight_name: str, shard_id: str, expert_id: int) -> None:
+        expert = layer._map_global_expert_id_to_local_expert_id(expert_id)
+        if expert == -1:
+            return
+        rows = param.data[expert]
+        if rows.dim() and name == "w13_weight":
+            half = rows.shape[0] // 2
+            rows = rows[:half] if shard_id == "w1" else rows[half:]
+        rows.copy_(loaded)
+
+    return load
+
+
 class QurlFusedMoEMethod(FusedMoEMethodBase):
     """MoE experts with BF16 weights in and quantized experts out; refits like the linear method (weights.py)."""
 
@@ -54,7 +72,7 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
         return self.options.kernel == "auto" and kernels.available(self.options.recipe.format, device)
 
     def process_weights_after_loading(self, layer) -> None:
-        if not all(weights.is_loaded(layer, n) for n in _WEIGHTS):
+        if weights.detach_codes(layer) or not all(weights.is_loaded(layer, n) for n in _WEIGHTS):
             return
         for name in _WEIGHTS:
             w = getattr(layer, name).data
@@ -65,11 +83,18 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
                 stacked, kept = weights.stack(fresh)
                 setattr(layer, f"qurl_{name}", stacked)
             setattr(layer, f"qurl_{name}_experts", kept)  # views of the stack, refreshed in place
-            weights.detach_master(layer, name, host=self.options.master == "host")
+            if self.options.codes:
+                weights.release(layer, name)
+            else:
+                weights.detach_master(layer, name, host=self.options.master == "host")
 
     def restore_weights_before_loading(self, layer) -> None:
         for name in _WEIGHTS:
-            weights.attach_master(layer, name)
+            if self.options.codes:
+                load = expert_rows_loader(layer, name)
+                weights.attach_codes(layer, name, getattr(layer, f"qurl_{name}"), load, load)
+            else:
+                weights.attach_master(layer, name)
 
     def apply(self, layer, dispatch_output):
         x = dispatch_output.hidden_states

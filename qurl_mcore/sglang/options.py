@@ -22,6 +22,10 @@ Options (keys of the model's `quantization_config`, set from the engine with
           forward).
   master  where the full-precision weights wait between updates: "host" (default, CPU memory) or
           "device" (no copies per update, but full-precision memory stays on the accelerator).
+  push    what a weight update carries: "bf16" (default: full-precision weights, re-quantized after the
+          update from masters the engine keeps) or "codes" (the trainer's codes and scales,
+          `qurl_mcore.quant.wire`, installed in place: no master, no re-quantization; the checkpoint
+          itself still loads in full precision and is quantized once).
   requant how each update re-quantizes the weights: "eager" (default, `quantize_weight`) or "compiled"
           (`quantize_weight_compiled`: torch.compile fuses it, bitwise the same codes; the engine's first
           update per format compiles, seconds on CPU).
@@ -39,10 +43,12 @@ KERNELS = ("auto", "qurl")
 #: a file every engine process appends the HF names of the linears it quantized to (sglang/quant_config.py)
 QUANTIZED_LOG_ENV = "QURL_QUANTIZED_LOG"
 MASTERS = ("host", "device")
+#: what a weight update carries (the `push` option)
+PUSHES = ("bf16", "codes")
 #: how an engine re-quantizes pushed weights: the quantizer each name calls
 REQUANTS = {"eager": quantize_weight, "compiled": quantize_weight_compiled}
 #: the options a `quantization_config` may set
-_OPTIONS = ("fmt", "scope", "kernel", "master", "requant")
+_OPTIONS = ("fmt", "scope", "kernel", "master", "requant", "push")
 #: Keys SGLang itself adds to the dict it hands to `from_config`.
 _SGLANG_KEYS = {"quant_method", "packed_modules_mapping", "hf_config"}
 
@@ -62,6 +68,12 @@ class QurlOptions:
     kernel: str = "auto"
     master: str = "host"
     requant: str = "eager"
+    push: str = "bf16"
+
+    @property
+    def codes(self) -> bool:
+        """Whether updates carry codes (no masters kept)."""
+        return self.push == "codes"
 
     @property
     def method(self) -> str:
@@ -97,6 +109,7 @@ class QurlOptions:
             kernel=_choice("kernel", config.get("kernel", "auto"), KERNELS),
             master=_choice("master", config.get("master", "host"), MASTERS),
             requant=_choice("requant", config.get("requant", "eager"), tuple(REQUANTS)),
+            push=_choice("push", config.get("push", "bf16"), PUSHES),
         )
 
     def override_args(self) -> dict[str, Any]:

@@ -23,6 +23,13 @@ host master would reach the GPU at the start of a push and stay there until its 
 would copy each layer's masters up whole. A layer that holds qurl masters therefore skips that staging
 (`masters_stay_put`, a hook the plugin registers): its restore only re-attaches masters where they wait, and
 its re-quantization copies one matrix at a time home itself (`at_home`).
+
+A code push (the `push: codes` option) keeps no master. The checkpoint loads and is quantized as above, then its
+full-precision weight is dropped (`release`). A weight-update session registers the installed codes and scales
+themselves as Parameters over the same storage (`attach_codes`: `weight`, `weight_scale`, `weight_global_scale`,
+the names `qurl_mcore.quant.wire` sends), so SGLang's loaders write the pushed codes in place, sharded as they
+shard the full-precision weight; the session's end only takes them off again (`detach_codes`): nothing is
+re-quantized. `installed_digests` reports what every quantized layer holds (`quant.wire.digest`).
 """
 from __future__ import annotations
 
@@ -32,19 +39,26 @@ from typing import Callable
 import torch
 
 from qurl_mcore.quant import QTensor
+from qurl_mcore.quant.wire import GLOBAL_SCALE, SCALE
 
 _MASTERS = "_qurl_masters"
 _HOMES = "_qurl_homes"
+_CODES = "_qurl_codes"
 #: SGLang's staging of a layer's tensors on the engine's device around its restore/re-quantization
 LOADING_CONTEXT = "sglang.srt.model_loader.loader.device_loading_context"
 
+
+#: SGLang's read-back of a parameter by name, which answers `DIGESTS` with `installed_digests`
+WEIGHTS_BY_NAME = "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter.get_weights_by_name"
+#: the name that asks an engine (`get_weights_by_name`) for the digests of its installed codes
+DIGESTS = "qurl.installed_digests"
 
 _registered = False
 
 
 def register() -> None:
-    """Hook `masters_stay_put` around SGLang's `device_loading_context` (applied by SGLang's `load_plugins`
-    after the plugins ran; imports SGLang). Idempotent."""
+    """Hook `masters_stay_put` around SGLang's `device_loading_context` and `report_digests` around its
+    `get_weights_by_name` (applied by SGLang's `load_plugins` after the plugins ran; imports SGLang). Idempotent."""
     global _registered
     if _registered:
         return
@@ -52,7 +66,39 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(LOADING_CONTEXT, masters_stay_put, HookType.AROUND)
+    HookRegistry.register(WEIGHTS_BY_NAME, report_digests, HookType.AROUND)
     _registered = True
+
+
+def report_digests(original: Callable, exporter, name: str, truncate_size: int = 100):
+    """SGLang's `get_weights_by_name`, except that the name `DIGESTS` answers `installed_digests` of the model."""
+    if name != DIGESTS:
+        return original(exporter, name, truncate_size)
+    return installed_digests(exporter.get_model())
+
+
+def installed_digests(model: torch.nn.Module) -> dict[str, str]:
+    """HF name of each unit's first weight -> `quant.wire.digest` of the codes and scales this engine serves it
+    with, for every quantized layer (a FusedMoE: per expert, w13 under its gate weight, w2 under its down one)."""
+    # the engine's module names and the architecture tables only where an engine answers
+    from qurl_mcore.models.registry import sglang_linears
+    from qurl_mcore.quant.wire import digest
+
+    from .architecture import checkpoint_prefix
+
+    out: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        prefix = checkpoint_prefix(prefix)
+        if hasattr(module, "qurl_weight"):
+            out[sglang_linears(prefix)[1][0] + ".weight"] = digest(module.qurl_weight)
+        elif hasattr(module, "qurl_w13_weight_experts"):
+            experts = module.qurl_w13_weight_experts
+            names = sglang_linears(prefix, len(experts))[1]
+            per = len(names) // len(experts)  # an expert's gate, up, down
+            for e, (w13, w2) in enumerate(zip(experts, module.qurl_w2_weight_experts)):
+                out[names[e * per] + ".weight"] = digest(w13)
+                out[names[e * per + per - 1] + ".weight"] = digest(w2)
+    return out
 
 
 def masters_stay_put(original: Callable, module: torch.nn.Module, target_device: torch.device):
@@ -80,6 +126,41 @@ def attach_master(layer: torch.nn.Module, name: str) -> None:
     param = layer.__dict__.get(_MASTERS, {}).pop(name, None)
     if param is not None:
         layer.register_parameter(name, param)
+
+
+def release(layer: torch.nn.Module, name: str) -> None:
+    """Take Parameter `name` off the layer and keep nothing of it (a code push needs no master)."""
+    del layer._parameters[name]
+
+
+def attach_codes(layer: torch.nn.Module, name: str, q: QTensor, loader: Callable,
+                 global_loader: Callable | None = None) -> None:
+    """Register `q`'s codes as Parameter `name` and its scales as `name` + SCALE (and + GLOBAL_SCALE), over the
+    very storage that serves the forward, with `loader` as their weight loader (rows along dim 0, the codes'
+    columns along dim 1) and `global_loader` for the global scale."""
+    params = {name: (q.data, {"output_dim": 0, "input_dim": 1, "weight_loader": loader}),
+              name + SCALE: (q.scale, {"output_dim": 0, "weight_loader": loader})}
+    if q.global_scale is not None:
+        params[name + GLOBAL_SCALE] = (q.global_scale, {"weight_loader": global_loader or loader})
+    for pname, (tensor, attrs) in params.items():
+        param = torch.nn.Parameter(tensor, requires_grad=False)  # shares the storage
+        for key, value in attrs.items():
+            setattr(param, key, value)
+        layer.register_parameter(pname, param)
+    layer.__dict__.setdefault(_CODES, []).extend(params)
+
+
+def detach_codes(layer: torch.nn.Module) -> bool:
+    """Take the Parameters `attach_codes` registered off the layer; whether there were any (a code push ended)."""
+    names = layer.__dict__.pop(_CODES, None)
+    for pname in names or ():
+        del layer._parameters[pname]
+    return names is not None
+
+
+def copy_whole(param: torch.nn.Parameter, loaded: torch.Tensor, *args, **kwargs) -> None:
+    """A weight loader for a unit's global scale: every member of a unit carries the same value."""
+    param.data.copy_(loaded)
 
 
 def home(layer: torch.nn.Module, name: str) -> torch.device:

@@ -298,11 +298,14 @@ def engine_bytes(s: Shape, cfg: Config, gpu: GPU, master: str = "host", kv_token
     less its CUDA graphs (SGLang's workspace, cached by torch's allocator outside the memory saver).
     `mem_fraction`: the rollout.mem_fraction that holds these weights, this KV cache and the graphs, with
     1 GiB to spare, rounded up to a hundredth; None when that is more than the whole GPU.
-    `precision` None: the config's; "bf16" sizes the same engine unquantized."""
+    `precision` None: the config's; "bf16" sizes the same engine unquantized. Engines that take code pushes
+    (`Config.push_mode`) keep no masters: `master` is then "none"."""
     tp = cfg.rollout.tp_size
+    master = "none" if cfg.push_mode(s.mla) == "codes" else master
     row, scope, fmt = cfg.resolved_precision()
     w = engine_weights(s, precision or row.name, scope, fmt, cfg.rollout.dtype, tp)
     reserve, graphs = sglang_reserve(gpu, tp)
+    w = {**w, "gpu_masters": 0} if master == "none" else w
     on_device = w["gpu_weights"] + (w["gpu_masters"] if master == "device" else 0)
     per_token = s.kv_bytes_per_token(_DTYPE_BYTES[cfg.rollout.dtype], tp)
     if kv_tokens is None:

@@ -34,14 +34,18 @@ def format_plan(p: Plan) -> str:
          + (f"; the update-capture metric's weight copies: {_gib(t['update_capture']['during'])} during a step, "
             f"{_gib(t['update_capture']['end'])} at its end" if t["update_capture"]["end"] else "")),
         (f"engines   {e['count']} x TP {e['tp']}, {e['precision']} ({e['format'] or 'bf16'}, scope {e['scope']}); "
-         f"per GPU: weights {_gib(w['gpu_weights'])}, masters {_gib(w['gpu_masters'])} on the {e['master']}, KV "
+         f"per GPU: weights {_gib(w['gpu_weights'])}, "
+         + ("no masters (code pushes)" if e["master"] == "none" else
+            f"masters {_gib(w['gpu_masters'])} on the {e['master']}") + ", KV "
          f"cache {_gib(e['kv'])} ({e['kv_tokens']} tokens), SGLang reserve {_gib(e['reserve'])}; peak "
          f"{_gib(e['peak'])}, "
          + (f"rollout.mem_fraction {e['mem_fraction']}" if e["mem_fraction"] is not None else
             "no rollout.mem_fraction holds it")
          + (f"; released while the trainer steps: {_gib(e['released'])} stay" if p.hardware["offload"] else "")
          + (f"; host RAM for masters {_gib(e['host_masters_per_node'])} per node" if e["host_masters"] else "")),
-        (f"push      {pu['bytes'] / GB:.2f} GB in {pu['dtype']}, {pu['buckets']} bucket(s) of <= "
+        (f"push      {pu['bytes'] / GB:.2f} GB in "
+         + (f"{pu['codes']} codes and scales (the rest in {pu['dtype']})" if pu["codes"] else pu["dtype"])
+         + f", {pu['buckets']} bucket(s) of <= "
          f"{pu['bucket_bytes'] >> 20} MiB; wire time (bytes / link bandwidth) {pu['seconds']:.2f} s on "
          f"{pu['link']} (" + ", ".join(f"{k} {v:.2f} s" for k, v in pu["seconds_by_link"].items()) + "); "
          + (f"measured for this model: {m['seconds']} s over {m['over']} ({m['source']})" if m["this_model"] else

@@ -88,7 +88,8 @@ def test_engine_quantization_per_precision(precision, method, options):
         over.append("scope=all")
     cfg = load_config(None, over)
     recipe = cfg.recipe()
-    assert engine_quantization(recipe.engine, "eager") == (method, {**options, "requant": "eager"} if method else {})
+    expected = {**options, "requant": "eager", "push": "bf16"} if method else {}
+    assert engine_quantization(recipe.engine, "eager") == (method, expected)
     from qurl_mcore.models.tiny import tiny_checkpoint
 
     config = engine_config(cfg, recipe.engine, str(tiny_checkpoint("qwen3")), "cpu")

@@ -18,7 +18,7 @@ def test_engine_config_renders_quantization_and_cpu_settings():
     assert kw["quantization"] == "qurl_fp4_rc" and kw["enable_return_routed_experts"] is True
     assert json.loads(kw["json_model_override_args"])["quantization_config"] == {
         "quant_method": "qurl_fp4_rc", "fmt": "mxfp4", "scope": "experts", "kernel": "auto", "master": "host",
-        "requant": "eager"}
+        "requant": "eager", "push": "bf16"}
     assert kw["attention_backend"] == "torch_native" and cfg.environment() == {"SGLANG_USE_CPU_ENGINE": "1"}
     argv = cfg.server_argv("127.0.0.1", 30000, config_file="/private/server.yaml")
     assert argv[:6] == ["--host", "127.0.0.1", "--port", "30000", "--config", "/private/server.yaml"]
