@@ -454,6 +454,7 @@ class PolicyTrainer:
         targets = [k for k, i in enumerate(self.engine_ids) if only is None or i in only]
         failure: Exception | None = None
         with self.weight_stream(smoothed=True) as stream:
+            stream = _exported(stream)
             try:
                 if self.sender is not None:
                     broadcast_weights(self.sender, self.engines, stream, version)
@@ -461,14 +462,27 @@ class PolicyTrainer:
                     (k,) = targets
                     self.engines[k].push_weights((nt for bucket in stream for nt in bucket), version,
                                                  bucket_bytes=self.cfg.rollout.push_bucket_mb << 20)
-            except WeightSpecError:
-                raise  # our export disagrees with the checkpoint: no engine restart fixes that
+            except (WeightSpecError, WeightExportError):
+                raise  # our export is wrong or failed: no engine restart fixes that
             except Exception as err:  # noqa: BLE001 - a transport or engine error: that engine restarts
-                k = err.engine if isinstance(err, WeightPushError) and err.engine is not None else targets[0]
-                failure = EngineFailure(self.engine_ids[k], f"weight push: {type(err).__name__}: {err}"[:2000])
+                failure = self._engine_failure(err, targets)
         if failure is not None:
             raise failure
         return time.perf_counter() - start
+
+    def _engine_failure(self, err: Exception, targets: list[int]) -> EngineFailure:
+        """The EngineFailure of a push to `targets` (indices into `self.engines`) that raised `err`: the engine
+        the error names, else the only target, else (a broadcast whose group broke) the first target that no
+        longer answers. When every target still answers, the fault is on this side: RuntimeError."""
+        k = err.engine if isinstance(err, WeightPushError) and err.engine is not None else None
+        if k is None and len(targets) == 1:
+            k = targets[0]
+        if k is None:
+            k = next((t for t in targets if not _answers(self.engines[t])), None)
+        if k is None:
+            raise RuntimeError(f"weight push failed while every engine still answers: {type(err).__name__}: "
+                               f"{err}"[:2000]) from err
+        return EngineFailure(self.engine_ids[k], f"weight push: {type(err).__name__}: {err}"[:2000])
 
     def push_reference(self, endpoint: tuple[str, str | None], version: str) -> float:
         """Collective, like `push_weights`: the weights, as weight `version`, to the BF16 reference engine at
@@ -476,13 +490,14 @@ class PolicyTrainer:
         taken; raises EngineFailure naming it (engine number rollout.engines) when the push fails."""
         start = time.perf_counter()
         with self.weight_stream() as stream:
+            stream = _exported(stream)
             try:
                 if self.rank == 0:
                     engine = HttpEngine(reference_engine_config(self.cfg, str(self.hf_dir), self.device.type),
                                         endpoint[0], api_key=endpoint[1])
                     engine.push_weights((nt for bucket in stream for nt in bucket), version,
                                         bucket_bytes=self.cfg.rollout.push_bucket_mb << 20)
-            except WeightSpecError:
+            except (WeightSpecError, WeightExportError):
                 raise
             except Exception as err:  # noqa: BLE001 - a transport or engine error: the reference engine restarts
                 reason = f"weight push: {type(err).__name__}: {err}"[:2000]
@@ -635,3 +650,26 @@ def _mean_over_parts(records: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for r in records for k in r if k != "nonfinite"}
     return {k: max(r[k] for r in records if k in r) if k.endswith("/max") else
             sum(r[k] for r in records if k in r) / sum(k in r for r in records) for k in keys}
+
+
+class WeightExportError(RuntimeError):
+    """This rank's own export of its weights failed (a missing tensor, out of memory while gathering or folding
+    the smoothing scales): the trainer's fault, which ends the run; no engine restart fixes it."""
+
+
+def _exported(stream):
+    """The buckets of `stream` (a `weight_stream`), an error raised while making one re-raised as
+    WeightExportError: the consumers of a push (an engine client, a broadcast) see it as theirs otherwise."""
+    try:
+        yield from stream
+    except Exception as err:  # noqa: BLE001 - every error of the export is the trainer's
+        raise WeightExportError(f"exporting this rank's weights: {type(err).__name__}: {err}"[:2000]) from err
+
+
+def _answers(engine) -> bool:
+    """Whether `engine` still answers a request (its model info)."""
+    try:
+        engine.model_info()
+    except Exception:  # noqa: BLE001 - any failure to answer
+        return False
+    return True

@@ -305,3 +305,50 @@ def test_two_mini_batches_train_against_the_pre_update_policy():
     assert metrics["train/skipped_nonfinite"] == 0.0
     steps = {int(s["step"]) for _, s in trainer.stack.optimizer.state.items()}
     assert steps == {2}  # two optimizer steps
+
+
+def test_a_failing_export_is_the_trainers_error_not_an_engines(monkeypatch):
+    """An error inside the export (a missing tensor, out of memory in the smoothing fold) is raised while the
+    engine client consumes the stream; it ends the run as the trainer's, and no engine is blamed or restarted."""
+    import qurl_mcore.megatron as megatron
+    from qurl_mcore.loop.sampler import engine_config
+    from qurl_mcore.loop.trainer import WeightExportError
+
+    export = megatron.export_hf_weights
+
+    def export_failing_after_one_bucket(*args, **kwargs):
+        stream = export(*args, **kwargs)
+        yield next(stream)
+        raise KeyError("model.layers.1.mlp.up_proj.weight")
+
+    monkeypatch.setattr(megatron, "export_hf_weights", export_failing_after_one_bucket)
+    trainer = _trainer("rollout.push_bucket_mb=1")
+    try:
+        engine = _RecordingEngine(engine_config(trainer.cfg, trainer.recipe.engine, str(trainer.hf_dir), "cpu"))
+        trainer.engines, trainer.engine_ids = [engine], [0]
+        with pytest.raises(WeightExportError, match="exporting this rank's weights: KeyError: 'model.layers.1"):
+            trainer.push_weights("v1")
+    finally:
+        trainer.close()
+
+
+class _Answering:
+    def __init__(self, answers: bool):
+        self.answers = answers
+
+    def model_info(self):
+        if not self.answers:
+            raise ConnectionError("refused")
+        return {}
+
+
+def test_a_push_failure_naming_no_engine_blames_the_one_that_stopped_answering():
+    from qurl_mcore.loop.sampler import EngineFailure
+
+    trainer = object.__new__(PolicyTrainer)  # only the engines matter here
+    trainer.engines, trainer.engine_ids = [_Answering(True), _Answering(False), _Answering(True)], [0, 1, 2]
+    failure = trainer._engine_failure(RuntimeError("gloo: connection closed by peer"), [0, 1, 2])
+    assert isinstance(failure, EngineFailure) and failure.index == 1
+    trainer.engines[1].answers = True  # every engine answers: the sender's side broke
+    with pytest.raises(RuntimeError, match="weight push failed while every engine still answers"):
+        trainer._engine_failure(RuntimeError("gloo: connection closed by peer"), [0, 1, 2])
