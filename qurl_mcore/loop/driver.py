@@ -279,9 +279,13 @@ class Loop:
         return metrics
 
     def close(self) -> None:
-        self.rollouts.close()
-        self.trainers.close()
-        remove_placement_group(self.pg)
+        try:
+            self.rollouts.close()
+        finally:
+            try:
+                self.trainers.close()
+            finally:
+                remove_placement_group(self.pg)
 
 
 def say(message: str) -> None:
@@ -372,10 +376,13 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
                 raise RunFailure(f"Ray did not start{f' at {address}' if address else ''}: {reason}") from None
             raise
     stop = StopRequest()  # after ray.init, whose own SIGTERM handler would abort the driver
-    torch.manual_seed(cfg.seed)
-    log = MetricsLog(logs, wandb_project=cfg.logging.wandb_project, run_config={**to_dict(cfg), "code": asdict(code)})
-    loop = Loop(cfg, stop)
+    log: MetricsLog | None = None
+    loop: Loop | None = None
     try:
+        torch.manual_seed(cfg.seed)
+        log = MetricsLog(logs, wandb_project=cfg.logging.wandb_project,
+                         run_config={**to_dict(cfg), "code": asdict(code)})
+        loop = Loop(cfg, stop)
         loop.write_pids()
         step = loop.restore(resume_from)
         if step:
@@ -409,10 +416,15 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
             path = loop.save(step, wait=True)
             say(f"{stop.signal_name} at step {step}: checkpoint written to {path}, exiting")
     finally:
-        log.close()
-        loop.close()
-        if owns_ray:
-            ray.shutdown()
-        locks.release()
+        try:
+            if log is not None:
+                log.close()
+            if loop is not None:
+                loop.close()
+        finally:  # whatever failed above, Ray, the signals and the directories are given back
+            if owns_ray:
+                ray.shutdown()
+            stop.restore()
+            locks.release()
     report = write_report(log.path, cfg.logging.dir) if log.path.exists() else None
     return RunResult(step, stop.requested, Path(cfg.logging.dir), report)

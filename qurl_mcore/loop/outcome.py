@@ -43,13 +43,18 @@ class RunFailure(RuntimeError):
 class StopRequest:
     """Turns SIGTERM (Slurm preemption, the job script's time-limit warning) and SIGINT (Ctrl-C) into a flag
     the loop checks between steps and while it waits, so it checkpoints and exits instead of dying mid-step.
-    A second SIGINT interrupts at once (KeyboardInterrupt)."""
+    A second SIGINT interrupts at once (KeyboardInterrupt). `restore` puts back the handlers it replaced."""
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
         self.requested = False
         self.signal_name = ""
-        for sig in signals:
-            signal.signal(sig, self._on_signal)
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+
+    def restore(self) -> None:
+        """The signals' handlers as they were before this request took them."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _on_signal(self, signum, _frame) -> None:
         if self.requested and signum == signal.SIGINT:

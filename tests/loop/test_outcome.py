@@ -5,13 +5,19 @@ import signal
 from qurl_mcore.loop.outcome import StopRequest, error_line
 
 
-def test_sigterm_becomes_a_flag():
-    previous = signal.getsignal(signal.SIGTERM)
+def test_sigterm_becomes_a_flag_and_the_handlers_before_come_back():
+    def mine(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
     try:
         stop = StopRequest()
         assert not stop.requested
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested and stop.signal_name == "SIGTERM"
+        stop.restore()
+        assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGTERM, previous)
 
