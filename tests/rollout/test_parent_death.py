@@ -1,0 +1,56 @@
+"""`qurl_mcore.parent_death`: a program started through it (as HttpEngine starts SGLang servers) ends with the
+process that started it, also when that process is SIGKILLed and the program runs in a session of its own."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PARENT = """
+import subprocess, sys, time
+from qurl_mcore.parent_death import with_parent_death
+child = subprocess.Popen(with_parent_death(["sleep", "120"]), start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (not a zombie waiting for its reaper)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_server_dies_with_the_process_that_started_it():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 30
+        while _cmdline(child)[0] != "sleep":  # the shim has armed the signal and become the program
+            assert time.monotonic() < deadline, _cmdline(child)
+            time.sleep(0.05)
+        parent.kill()  # SIGKILL: no handler, no cleanup of its own
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(child), "the program outlived the process that started it"
+    finally:
+        parent.kill()
+        if _running(child):
+            os.kill(child, signal.SIGKILL)
