@@ -9,6 +9,9 @@ for SIGKILL when the parent goes (prctl PR_SET_PDEATHSIG, kept across exec) and 
 
 The kernel signals when the *thread* that forked the child ends: start such programs from a thread that
 lives as long as they should (a Ray actor's, which runs its methods on its main thread).
+
+`descendants` and `stop_survivors` are the check at the end of a run: what it started (Ray's daemons, whose
+agents the raylet starts without that signal, and what they started) is gone, or is stopped and named.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import ctypes
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -25,6 +30,54 @@ def with_parent_death(argv: list[str]) -> list[str]:
     if not sys.platform.startswith("linux"):
         return list(argv)
     return [sys.executable, "-m", __name__, str(os.getpid()), *argv]
+
+
+def _stat(pid: int) -> tuple[str, str, int] | None:
+    """(command name, state, parent pid) of process `pid` from /proc; None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+    return name, rest[0], int(rest[1])
+
+
+def _running(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[1] != "Z"  # a zombie has ended; only its reaper has not looked yet
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """The processes below `pid` (default: this one), children first, from /proc (Linux; elsewhere none)."""
+    parents = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        stat = _stat(int(entry.name))
+        if stat is not None:
+            parents[int(entry.name)] = stat[2]
+    out, frontier = [], [os.getpid() if pid is None else pid]
+    while frontier:
+        children = sorted(p for p, parent in parents.items() if parent in frontier)
+        out += children
+        frontier = children
+    return out
+
+
+def stop_survivors(pids: list[int], grace_s: float) -> list[str]:
+    """Wait up to `grace_s` seconds for `pids` to end, SIGKILL those still running, and return them as
+    "pid (command name)"."""
+    deadline = time.monotonic() + grace_s
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    killed = []
+    for pid in pids:
+        stat = _stat(pid)
+        if stat is not None and stat[1] != "Z":
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed.append(f"{pid} ({stat[0]})")
+    return killed
 
 
 def main(args: list[str]) -> None:

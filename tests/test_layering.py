@@ -42,8 +42,8 @@ ALLOWED: dict[str, tuple[str, frozenset[str]]] = {name: (what, frozenset(deps)) 
     ("preflight", "`qurl train --check`", ("config", "heldout", "placement", "precision", "models", "sizing",
                                            "sglang", "smoothing", "tasks")),
     ("loop", "the RL loop: trainer, engines, driver, evaluation", (
-        "checkpoint", "config", "heldout", "megatron", "models", "placement", "precision", "preflight", "provenance",
-        "recipe", "rl", "rollout", "runlock", "sglang", "smoothing", "tasks", "transfer", "uaq")),
+        "checkpoint", "config", "heldout", "megatron", "models", "parent_death", "placement", "precision", "preflight",
+        "provenance", "recipe", "rl", "rollout", "runlock", "sglang", "smoothing", "tasks", "transfer", "uaq")),
     ("export", "`qurl export`", ("checkpoint", "config", "megatron", "models")),
     ("align", "`qurl align`", ("megatron", "models", "precision", "rl", "rollout", "recipe")),
     ("compare", "`qurl compare`", ("config", "loop", "provenance")),

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from qurl_mcore import checkpoint as ckpt
 from qurl_mcore.config import Config, ConfigError, flatten, to_dict
 from qurl_mcore.models import resolve_model_path
+from qurl_mcore.parent_death import descendants, stop_survivors
 from qurl_mcore.precision import quantized_linears
 from qurl_mcore.preflight import preflight
 from qurl_mcore.provenance import code_version
@@ -75,6 +76,10 @@ def advantages(cfg: Config, samples: list[Sample]) -> tuple[list[Sample], torch.
         adv = adv[rows]
     return samples, adv, metrics
 
+
+#: seconds Ray's processes (and what the run's actors started) get to end after `ray.shutdown` before they are
+#: killed: its agents watch their raylet and leave only when they notice it is gone
+RAY_EXIT_GRACE_S = 10.0
 
 DRIVER_FILE = "driver.pt"  # the driver's part of a checkpoint: its random generators
 
@@ -364,6 +369,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         f"{cfg.train.world_size} trainer rank(s), {cfg.rollout.engines} engine(s); code {code.label()}; "
         f"logs in {logs}")
     owns_ray = not ray.is_initialized()
+    before_ray = set(descendants())  # what this process ran before Ray: not the run's to stop at its end
     if owns_ray:
         # "local": never attach to a cluster some earlier `ray start` left behind on this machine
         try:
@@ -423,7 +429,11 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
                 loop.close()
         finally:  # whatever failed above, Ray, the signals and the directories are given back
             if owns_ray:
+                spawned = [pid for pid in descendants() if pid not in before_ray]
                 ray.shutdown()
+                left = stop_survivors(spawned, RAY_EXIT_GRACE_S)
+                if left:
+                    say(f"stopped {len(left)} process(es) the run started that outlived Ray: {', '.join(left)}")
             stop.restore()
             locks.release()
     report = write_report(log.path, cfg.logging.dir) if log.path.exists() else None

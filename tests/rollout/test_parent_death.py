@@ -54,3 +54,28 @@ def test_a_server_dies_with_the_process_that_started_it():
         parent.kill()
         if _running(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_what_outlives_a_run_is_found_stopped_and_named():
+    from qurl_mcore.parent_death import descendants, stop_survivors
+
+    quick = subprocess.Popen(["sleep", "0.2"])
+    lingering = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])  # and a grandchild
+    try:
+        deadline = time.monotonic() + 10
+        while len(descendants()) < 3:
+            assert time.monotonic() < deadline, descendants()
+            time.sleep(0.05)
+        below = descendants()
+        assert {quick.pid, lingering.pid} <= set(below) and len(below) == 3
+        killed = stop_survivors(below, grace_s=2.0)
+        assert sorted(killed) == sorted(f"{pid} ({name})" for pid, name in
+                                        [(lingering.pid, "sh"), (max(set(below) - {quick.pid, lingering.pid}), "sleep")])
+        deadline = time.monotonic() + 10  # SIGKILL is delivered asynchronously
+        while any(_running(pid) for pid in below) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_running(pid) for pid in below)
+    finally:
+        lingering.kill()
+        quick.wait()
+        lingering.wait()
