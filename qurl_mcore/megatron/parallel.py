@@ -16,7 +16,7 @@ from megatron.core import tensor_parallel as mtp
 
 from qurl_mcore.transfer import bind_stores_to_their_address, comm_backend, free_port
 
-from .cpu_compat import apply_cpu_compat
+from .cpu_compat import apply_cpu_compat, revert_cpu_compat
 
 
 def init_parallel(
@@ -76,10 +76,11 @@ def current_device() -> torch.device:
 
 
 def destroy_parallel() -> None:
-    """Tear down Megatron's groups and the default process group."""
+    """Tear down Megatron's groups and the default process group, and undo `init_parallel`'s CPU fixes."""
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    revert_cpu_compat()
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
