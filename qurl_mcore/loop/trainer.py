@@ -45,7 +45,7 @@ from qurl_mcore.rollout import HttpEngine, WeightPushError, WeightSpecError
 from qurl_mcore.rollout.broadcast import broadcast_weights, close_weight_group, open_weight_group
 from qurl_mcore.smoothing import calibrate, fold_table, smooth_buckets
 from qurl_mcore.tasks import chat_ids
-from qurl_mcore.transfer import bind_gloo_towards, free_port
+from qurl_mcore.transfer import bind_gloo_towards, bind_stores_to_their_address, free_port
 from qurl_mcore.uaq import update_capture_ratio
 
 from .batch import TrainBatch
@@ -99,6 +99,7 @@ class PolicyTrainer:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         self.master_addr = master_addr  # rank 0's endpoints listen there: its rendezvous, the weight group
         bind_gloo_towards(master_addr)  # rank 0's node: the trainer's groups and the engines' broadcast group
+        bind_stores_to_their_address()  # the rendezvous of the weight group rank 0 hosts, too
         init_parallel(t.tp_size, t.ep_size, pipeline_parallel=t.pp_size, seed=cfg.seed, rank=rank,
                       world_size=world_size)
         from megatron.core import parallel_state as ps
