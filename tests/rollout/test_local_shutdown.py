@@ -10,19 +10,22 @@ import pytest
 
 from qurl_mcore.rollout.engine import LocalEngine
 
-sglang_engine = pytest.importorskip("sglang.srt.entrypoints.engine")
-pytestmark = pytest.mark.slow  # importing SGLang's engine takes tens of seconds
+pytestmark = pytest.mark.slow  # importing SGLang's engine takes tens of seconds (in the test: not at collection)
 
 
 class _SGLangEngine:
     """What LocalEngine.shutdown calls: SGLang's Engine.shutdown, which kills this process's descendants."""
 
+    def __init__(self, sglang_engine):
+        self.sglang_engine = sglang_engine
+
     def shutdown(self):
         time.sleep(0.2)  # the other thread's shutdown starts meanwhile
-        sglang_engine.kill_process_tree(os.getpid(), include_parent=False, wait_timeout=60)
+        self.sglang_engine.kill_process_tree(os.getpid(), include_parent=False, wait_timeout=60)
 
 
 def test_engines_shutting_down_together_each_kill_their_own(monkeypatch):
+    sglang_engine = pytest.importorskip("sglang.srt.entrypoints.engine")
     killed = []
     monkeypatch.setattr(sglang_engine, "kill_process_tree",
                         lambda pid, include_parent=True, **kw: killed.append((pid, include_parent)))
@@ -30,7 +33,7 @@ def test_engines_shutting_down_together_each_kill_their_own(monkeypatch):
     engines = []
     for pids in ([101, 102], [201]):
         engine = object.__new__(LocalEngine)  # the shutdown alone: no server
-        engine.engine, engine._processes = _SGLangEngine(), pids
+        engine.engine, engine._processes = _SGLangEngine(sglang_engine), pids
         engines.append(engine)
     threads = [threading.Thread(target=e.shutdown) for e in engines]
     threads[0].start()
