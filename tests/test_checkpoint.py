@@ -122,3 +122,20 @@ def test_files_another_writer_made_are_hashed_published_and_verified(tmp_path):
     (path / "trainer" / "__0_0.distcp").write_bytes(b"slicez" * 100)
     assert verify(path) == "trainer/__0_0.distcp does not match its checksum"
     assert format_of({}) == "torch"  # written before the format was recorded
+
+
+def test_export_takes_the_newest_checkpoint_and_refuses_a_damaged_newest_one(tmp_path):
+    """`qurl export CHECKPOINT_DIR` must not pass off an older step as the run's last: with the newest one
+    damaged it refuses, naming it and the valid one to give instead; a step_N given itself is taken."""
+    from qurl_mcore.export import checkpoint_to_export
+
+    older = _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    assert checkpoint_to_export(tmp_path) == newest
+    (newest / "rank0.pt").write_bytes(b"")
+    with pytest.raises(ValueError) as refused:
+        checkpoint_to_export(tmp_path)
+    assert str(refused.value) == (f"{tmp_path}: the newest checkpoint, step_00000002, is damaged (rank0.pt has 0 "
+                                  f"bytes, {read_meta(newest)['files'][0]['bytes']} were written); to export the "
+                                  f"newest valid one, give it: {older}")
+    assert checkpoint_to_export(older) == older
