@@ -22,7 +22,7 @@ from qurl_mcore.heldout import eval_examples
 from qurl_mcore.recipe import EngineRecipe
 from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
 from qurl_mcore.rollout.engine import moe_shape
-from qurl_mcore.rollout.results import RequestRefused
+from qurl_mcore.rollout.results import NonFiniteLogprobs, RequestRefused
 from qurl_mcore.sglang.options import QUANTIZED_LOG_ENV
 from qurl_mcore.tasks import Example, addition_examples, chat_ids, load_examples, load_reward, score_all
 from qurl_mcore.transfer import bind_gloo_towards
@@ -284,7 +284,8 @@ class RolloutManager:
             try:
                 out.append(_ray().get(future))
             except Exception as err:  # noqa: BLE001 - any transport/engine error means this engine must restart
-                if isinstance(getattr(err, "cause", err), RequestRefused):  # a request's own error: no restart
+                # a request's own error, or the weights': no restart fixes it
+                if isinstance(getattr(err, "cause", err), (RequestRefused, NonFiniteLogprobs)):
                     raise getattr(err, "cause", err) from None
                 raise EngineFailure(index, error_line(err)) from None
         return out
