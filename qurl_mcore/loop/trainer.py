@@ -118,6 +118,7 @@ class PolicyTrainer:
             lambda m: load_hf_weights(m, self.hf_dir))
         self.model = build_gpt(self.hf_dir, **build)
         start(self.model)
+        _refuse_non_finite(self.model, cfg.model.load or str(self.hf_dir))
         if cfg.uaq.enabled:
             # training runs in the rescaled parameterisation, so every update is s times larger relative to
             # the rollout's quantization step (QuRL §4.3); the function computed is unchanged
@@ -674,3 +675,13 @@ def _answers(engine) -> bool:
     except Exception:  # noqa: BLE001 - any failure to answer
         return False
     return True
+
+
+def _refuse_non_finite(model: torch.nn.Module, source: str) -> None:
+    """ValueError naming the first parameter of `model`, just loaded from `source`, that holds a NaN or an
+    infinity: every step would be skipped and every rollout's log-probs be NaN."""
+    for name, p in model.named_parameters():
+        bad = int((~torch.isfinite(p)).sum())
+        if bad:
+            raise ValueError(f"{source}: weight {name} holds {bad} non-finite value(s) (NaN or Inf) of {p.numel()}; "
+                             "the model cannot train from it: fix or replace the checkpoint")

@@ -352,3 +352,27 @@ def test_a_push_failure_naming_no_engine_blames_the_one_that_stopped_answering()
     trainer.engines[1].answers = True  # every engine answers: the sender's side broke
     with pytest.raises(RuntimeError, match="weight push failed while every engine still answers"):
         trainer._engine_failure(RuntimeError("gloo: connection closed by peer"), [0, 1, 2])
+
+
+def test_a_non_finite_weight_is_named_where_the_weights_are_read(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qurl_mcore.models import resolve_model_path
+
+    model = tmp_path / "nan-llama"
+    shutil.copytree(resolve_model_path("tiny-llama"), model)
+    (weights,) = model.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(n for n in tensors if n.endswith("mlp.up_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    from qurl_mcore.megatron.parallel import destroy_parallel
+
+    try:
+        with pytest.raises(ValueError, match=rf"{model}: weight decoder\.layers\.\d+\.mlp\.linear_fc1\.weight holds "
+                                             r"1 non-finite value\(s\) \(NaN or Inf\)"):
+            _trainer(f"model.path={model}")
+    finally:
+        destroy_parallel()  # the trainer that failed to start cannot close its own
