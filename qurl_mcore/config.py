@@ -131,6 +131,9 @@ class CheckpointConfig:
     # torch_dist only: the trainer's files are written in the background (Megatron's asynchronous save) while
     # the next step's rollout runs; the checkpoint is published once they are on disk, before that step trains
     async_save: bool = False
+    # after SIGTERM/SIGINT, how long the step in progress may take before the run exits without it (the last
+    # checkpoint stays): Slurm kills a job 30 s after its SIGTERM
+    stop_grace_s: float = 20.0
     # resume a checkpoint whose model, precision or (format torch) parallel layout differs from the run's
     # (driver.RESUME_FIELDS, LAYOUT_FIELDS)
     allow_mismatch: bool = False
@@ -254,7 +257,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout.top_k": (lambda v: v == -1 or v > 0, "must be -1 (off) or a positive count"),
     "rollout.mem_fraction": (_within(0, 1, open_hi=True)[0], "must be in [0, 1) (0: SGLang's default)"),
     **{name: (_within(0, 86400, open_lo=True)[0], "must be in (0, 86400] seconds") for name in (
-        "rollout.broadcast_timeout_s", "rollout.unreachable_timeout_s", "train.hang_timeout_s")},
+        "rollout.broadcast_timeout_s", "rollout.unreachable_timeout_s", "train.hang_timeout_s",
+        "checkpoint.stop_grace_s")},
     "train.lr": _within(0, 1, open_lo=True),
     "train.weight_decay": _within(0, 1),
     "train.grad_clip": _within(0, 1e4),

@@ -43,7 +43,7 @@ from qurl_mcore.runlock import lock_dirs
 
 from .actors import start_actors
 from .batch import Sample, collate
-from .outcome import RunFailure, StopRequest
+from .outcome import RunFailure, StopOverdue, StopRequest
 from .report import write_report
 from .sampler import EngineFailure
 from .tracking import MetricsLog, warnings_to_file
@@ -283,12 +283,14 @@ class Loop:
                         "rollout/engine_restarts": float(self.engine_restarts)})
         return metrics
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """The engines, then the trainer ranks, each group given `timeout` seconds in all to stop (default:
+        its own bound), then killed."""
         try:
-            self.rollouts.close()
+            self.rollouts.close(timeout)
         finally:
             try:
-                self.trainers.close()
+                self.trainers.close(timeout)
             finally:
                 remove_placement_group(self.pg)
 
@@ -381,9 +383,10 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
                 reason = (str(err).strip().splitlines() or [type(err).__name__])[-1]
                 raise RunFailure(f"Ray did not start{f' at {address}' if address else ''}: {reason}") from None
             raise
-    stop = StopRequest()  # after ray.init, whose own SIGTERM handler would abort the driver
+    stop = StopRequest(grace_s=cfg.checkpoint.stop_grace_s)  # after ray.init, whose own SIGTERM handler would abort
     log: MetricsLog | None = None
     loop: Loop | None = None
+    step = 0
     try:
         torch.manual_seed(cfg.seed)
         log = MetricsLog(logs, wandb_project=cfg.logging.wandb_project,
@@ -421,6 +424,11 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         if stop.requested and step < cfg.steps:
             path = loop.save(step, wait=True)
             say(f"{stop.signal_name} at step {step}: checkpoint written to {path}, exiting")
+    except StopOverdue as overdue:  # the actors are mid-step: they are killed, the last checkpoint stays
+        say(f"{overdue}; resume takes the last checkpoint ({ckpt.latest_checkpoint(cfg.checkpoint.dir) or 'none'})")
+        if loop is not None:
+            loop.close(timeout=0.0)
+            loop = None
     finally:
         try:
             if log is not None:

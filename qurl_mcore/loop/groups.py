@@ -17,8 +17,23 @@ from urllib.parse import urlsplit
 import ray
 
 from .batch import Sample, TrainBatch
-from .outcome import RunFailure, error_line
+from .outcome import RunFailure, StopOverdue, StopRequest, error_line
 from .sampler import EngineFailure
+
+def _first_ready(pending: list, deadline: float | None, stop: StopRequest | None) -> tuple[list, list]:
+    """`ray.wait` for the first of `pending` until `deadline` (time.monotonic(); None: no deadline), waking
+    every second to raise StopOverdue once `stop`'s grace has passed."""
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return [], pending
+        ready, rest = ray.wait(pending, num_returns=1, timeout=1.0 if left is None else min(left, 1.0))
+        if ready:
+            return ready, rest
+        if stop is not None and stop.overdue():
+            raise StopOverdue(f"{stop.signal_name} {stop.grace_s:g} s ago and the step in progress has not ended "
+                              "(checkpoint.stop_grace_s): exiting without it")
+
 
 def _close(actors: list, stop: Callable[[Any], Any], timeout: float) -> None:
     """`stop(actor)` (a remote call) on every one of `actors` at once, waited for `timeout` seconds in all, then
@@ -39,10 +54,11 @@ class TrainerGroup:
     """The trainer ranks, in rank order; rank r writes `logs`/trainer-<r>.log. Once one rank has answered a
     call, the others have `hang_timeout` seconds (train.hang_timeout_s), also to close."""
 
-    def __init__(self, actors: list, logs: str, hang_timeout: float):
+    def __init__(self, actors: list, logs: str, hang_timeout: float, stop: StopRequest | None = None):
         self.actors = actors
         self.logs = logs
         self.hang_timeout = hang_timeout
+        self.stop = stop  # its grace bounds every wait once a stop is requested
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -56,8 +72,7 @@ class TrainerGroup:
         results, pending = {}, list(refs)
         deadline = None  # set by the first answer
         while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            ready, pending = _first_ready(pending, deadline, self.stop)
             if not ready:
                 rank = min(refs[ref] for ref in pending)
                 raise RunFailure(f"trainer rank {rank} hung in {method}: no answer {self.hang_timeout:g} s after "
@@ -129,9 +144,10 @@ class TrainerGroup:
         """The ranks' process ids, in rank order."""
         return self._on_every_rank("pid", lambda t: t.pid.remote())
 
-    def close(self) -> None:
-        """Every rank closes its weight group and Megatron's process groups; then the actors end."""
-        _close(self.actors, lambda t: t.close.remote(), self.hang_timeout)
+    def close(self, timeout: float | None = None) -> None:
+        """Every rank closes its weight group and Megatron's process groups, given `timeout` seconds in all
+        (default: the hang timeout); then the actors end."""
+        _close(self.actors, lambda t: t.close.remote(), self.hang_timeout if timeout is None else timeout)
 
 
 class Rollouts:
@@ -139,18 +155,21 @@ class Rollouts:
     the reference engine's). The manager writes `logs`/rollout-manager.log. A host that does not answer is
     waited for `unreachable_timeout` seconds (rollout.unreachable_timeout_s), also to stop its server."""
 
-    def __init__(self, manager, hosts: list, logs: str, unreachable_timeout: float):
+    def __init__(self, manager, hosts: list, logs: str, unreachable_timeout: float, stop: StopRequest | None = None):
         self.manager = manager
         self.hosts = hosts
         self.logs = logs
         self.unreachable_timeout = unreachable_timeout
+        self.stop = stop  # its grace bounds every wait once a stop is requested
         self.urls: list[str] = []  # the engines' URLs from the last `endpoints()`: a failure names a node by them
 
     def _ask(self, method: str, call: Callable[[], Any]):
         """The result of `call()`, the manager's remote call of `method`; an engine's failure passes through as
         EngineFailure, any other error ends the run (RunFailure)."""
+        ref = call()
+        _first_ready([ref], None, self.stop)
         try:
-            return ray.get(call())
+            return ray.get(ref)
         except Exception as err:  # noqa: BLE001 - classified below
             if isinstance(getattr(err, "cause", None), EngineFailure):
                 raise err.cause from None
@@ -220,7 +239,8 @@ class Rollouts:
                 break
         self._ask("restart", lambda: self.manager.restart.remote(index))
 
-    def close(self) -> None:
-        """Every host stops its engine server; then the hosts and the manager end."""
-        _close(self.hosts, lambda h: h.shutdown.remote(), self.unreachable_timeout)
+    def close(self, timeout: float | None = None) -> None:
+        """Every host stops its engine server, given `timeout` seconds in all (default: the unreachable
+        timeout); then the hosts and the manager end."""
+        _close(self.hosts, lambda h: h.shutdown.remote(), self.unreachable_timeout if timeout is None else timeout)
         ray.kill(self.manager)

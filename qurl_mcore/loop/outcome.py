@@ -10,8 +10,10 @@ the stop request a signal turns into.
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
+import time
 
 EXIT_FINISHED = 0
 EXIT_FAILED = 1
@@ -40,15 +42,27 @@ class RunFailure(RuntimeError):
     failing, the cluster never placed the run): the message names the actor and the cause."""
 
 
+class StopOverdue(RuntimeError):
+    """A stop was requested and the step in progress did not end within its grace: the run exits without it."""
+
+
 class StopRequest:
     """Turns SIGTERM (Slurm preemption, the job script's time-limit warning) and SIGINT (Ctrl-C) into a flag
     the loop checks between steps and while it waits, so it checkpoints and exits instead of dying mid-step.
-    A second SIGINT interrupts at once (KeyboardInterrupt). `restore` puts back the handlers it replaced."""
+    A second SIGINT interrupts at once (KeyboardInterrupt). The signal is acknowledged on stderr at once; a
+    step still in progress `grace_s` seconds later is abandoned (`overdue`, `StopOverdue`). `restore` puts back
+    the handlers it replaced."""
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), grace_s: float = 20.0):
         self.requested = False
         self.signal_name = ""
+        self.grace_s = grace_s
+        self.requested_at = 0.0
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+
+    def overdue(self) -> bool:
+        """Whether a stop was requested more than `grace_s` seconds ago."""
+        return self.requested and time.monotonic() - self.requested_at > self.grace_s
 
     def restore(self) -> None:
         """The signals' handlers as they were before this request took them."""
@@ -59,5 +73,10 @@ class StopRequest:
     def _on_signal(self, signum, _frame) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested = True
+        if self.requested:
+            return
+        self.requested, self.requested_at = True, time.monotonic()
         self.signal_name = signal.Signals(signum).name
+        # os.write: a signal handler must not re-enter the buffered stream it may have interrupted
+        os.write(2, f"\nqurl train: {self.signal_name} received: checkpointing after the step in progress, or "
+                    f"exiting without it if it takes over {self.grace_s:g} s (checkpoint.stop_grace_s)\n".encode())

@@ -254,3 +254,22 @@ def test_actors_close_together_within_one_bound(fake_ray):
     group = TrainerGroup([Handle(PolicyTrainer, [], lambda name: next(answers)) for _ in range(3)], LOGS, HANG_S)
     group.close()
     assert fake_ray == [(3, 3, HANG_S)] and killed == group.actors
+
+
+def test_a_stop_whose_grace_passed_ends_the_wait_on_a_busy_rank(fake_ray):
+    """SIGTERM during a long step: once checkpoint.stop_grace_s has passed, the wait on a rank still in the
+    step ends (the run exits without that step) instead of lasting until the step ends."""
+    import signal
+
+    from qurl_mcore.loop.outcome import StopOverdue, StopRequest
+
+    stop = StopRequest(signals=(), grace_s=0.0)
+    answers = iter([Ref(hung=True), Ref(hung=True)])
+    group = TrainerGroup([Handle(PolicyTrainer, [], lambda name: next(answers)) for _ in range(2)], LOGS, HANG_S,
+                         stop)
+    stop._on_signal(signal.SIGTERM, None)
+    with pytest.raises(StopOverdue, match="SIGTERM 0 s ago and the step in progress has not ended"):
+        group.step(BATCH)
+    rollouts = Rollouts(Handle(RolloutManager, [], lambda name: Ref(hung=True)), [], LOGS, HANG_S, stop)
+    with pytest.raises(StopOverdue):
+        rollouts.generate(3)

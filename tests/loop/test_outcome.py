@@ -5,7 +5,7 @@ import signal
 from qurl_mcore.loop.outcome import StopRequest, error_line
 
 
-def test_sigterm_becomes_a_flag_and_the_handlers_before_come_back():
+def test_sigterm_becomes_a_flag_and_the_handlers_before_come_back(capfd):
     def mine(signum, frame):
         pass
 
@@ -14,7 +14,9 @@ def test_sigterm_becomes_a_flag_and_the_handlers_before_come_back():
         stop = StopRequest()
         assert not stop.requested
         os.kill(os.getpid(), signal.SIGTERM)
-        assert stop.requested and stop.signal_name == "SIGTERM"
+        assert stop.requested and stop.signal_name == "SIGTERM" and not stop.overdue()
+        assert ("qurl train: SIGTERM received: checkpointing after the step in progress, or exiting without it if "
+                "it takes over 20 s (checkpoint.stop_grace_s)") in capfd.readouterr().err  # at once
         stop.restore()
         assert signal.getsignal(signal.SIGTERM) is mine
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
