@@ -43,7 +43,7 @@ from qurl_mcore.runlock import lock_dirs
 
 from .actors import start_actors
 from .batch import Sample, collate
-from .outcome import RunFailure, StopOverdue, StopRequest
+from .outcome import RunFailure, StopOverdue, StopRequest, shielded_children
 from .report import write_report
 from .sampler import EngineFailure
 from .tracking import MetricsLog, warnings_to_file
@@ -227,6 +227,10 @@ class Loop:
         if step == self.saved_step:
             return (self.publish() or ckpt.step_dir(root, step)) if wait else None
         self.publish()
+        try:
+            ckpt.check_space(root)
+        except OSError as err:
+            raise RunFailure(f"checkpoint of step {step} not written: {err.strerror}") from None
         self.saved_step = step
         files = [record for rank in self.trainers.save_checkpoint(root, step) for record in rank]
         files.append(ckpt.write_file(root, step, DRIVER_FILE, {"rng": ckpt.rng_state()}))
@@ -375,8 +379,10 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
     if owns_ray:
         # "local": never attach to a cluster some earlier `ray start` left behind on this machine
         try:
-            ray.init(address=address or "local", resources=None if address else {"qurl_train": 1, "qurl_rollout": 1},
-                     log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
+            with shielded_children():  # a SIGTERM to the whole group leaves Ray to the checkpoint that follows it
+                ray.init(address=address or "local",
+                         resources=None if address else {"qurl_train": 1, "qurl_rollout": 1},
+                         log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
         except BaseException as err:  # Ctrl-C included: the directories are the next run's
             locks.release()
             if isinstance(err, Exception):  # a start-up timeout, an address nobody answers at: one line
@@ -405,6 +411,8 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         while step < cfg.steps and not stop.requested:
             metrics = loop.step(step)
             step += 1
+            if stop.requested:  # the step ended within the grace: its checkpoint is written, however long
+                stop.steps_ended()
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
                 metrics.update(_evaluated(loop, step))
             log.log(step, metrics)
@@ -417,6 +425,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
                 say(f"step {step} skipped: every prompt group had equal rewards (no learning signal)")
             if step % cfg.checkpoint.every == 0 or step == cfg.steps:
                 loop.save(step)
+        stop.steps_ended()  # what follows (the last checkpoint, the export) is no step
         loop.publish()
         bar.close()
         if step == cfg.steps and cfg.checkpoint.export_hf:

@@ -10,6 +10,7 @@ the stop request a signal turns into.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -42,6 +43,20 @@ class RunFailure(RuntimeError):
     failing, the cluster never placed the run): the message names the actor and the cause."""
 
 
+@contextlib.contextmanager
+def shielded_children(signals=(signal.SIGTERM,)):
+    """The processes started meanwhile (a local Ray's daemons and workers, and what they start) begin with
+    `signals` blocked, a mask they keep: a signal to the whole process group (`timeout`, a scheduler) reaches
+    this process alone, which checkpoints and then stops them, instead of killing Ray's GCS under it. This
+    process's own mask is back afterwards (its threads started meanwhile keep it: the signal goes to the
+    main thread, where Python handles it)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 class StopOverdue(RuntimeError):
     """A stop was requested and the step in progress did not end within its grace: the run exits without it."""
 
@@ -61,8 +76,12 @@ class StopRequest:
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
 
     def overdue(self) -> bool:
-        """Whether a stop was requested more than `grace_s` seconds ago."""
+        """Whether a stop was requested more than `grace_s` seconds ago, while steps were running."""
         return self.requested and time.monotonic() - self.requested_at > self.grace_s
+
+    def steps_ended(self) -> None:
+        """No step is running any more: what follows (the stop's checkpoint) is not cut short by the grace."""
+        self.grace_s = float("inf")
 
     def restore(self) -> None:
         """The signals' handlers as they were before this request took them."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -546,10 +547,11 @@ class PolicyTrainer:
         (partial / ckpt.TRAINER_DIR).mkdir(parents=True, exist_ok=True)
         state = {**sharded_state(self.stack), "rng": self._rng_shard()}
         records = []
-        if self.cfg.checkpoint.async_save:
-            self.background_save.start(state, partial / ckpt.TRAINER_DIR)
-        else:
-            records = _trainer_records(partial / ckpt.TRAINER_DIR, save(state, partial / ckpt.TRAINER_DIR))
+        with _space_named(partial):
+            if self.cfg.checkpoint.async_save:
+                self.background_save.start(state, partial / ckpt.TRAINER_DIR)
+            else:
+                records = _trainer_records(partial / ckpt.TRAINER_DIR, save(state, partial / ckpt.TRAINER_DIR))
         if self.rank == 0 and self.smoothing_scales is not None:  # alike on every rank: one copy
             records.append(ckpt.write_file(root, step, SMOOTHING_FILE, self._smoothing_state()))
         return records
@@ -558,7 +560,10 @@ class PolicyTrainer:
         """Collective: wait until every rank's files of the save in flight (checkpoint.async_save) are
         written; the records of this rank's ([] when no save is in flight)."""
         directory = self.background_save.directory
-        return [] if directory is None else _trainer_records(directory, self.background_save.wait())
+        if directory is None:
+            return []
+        with _space_named(directory.parent):
+            return _trainer_records(directory, self.background_save.wait())
 
     def _rng_shard(self):
         """This rank's random generators as its slice of a per-rank object (Megatron-LM's "rng_state"): loaded
@@ -685,3 +690,16 @@ def _refuse_non_finite(model: torch.nn.Module, source: str) -> None:
         if bad:
             raise ValueError(f"{source}: weight {name} holds {bad} non-finite value(s) (NaN or Inf) of {p.numel()}; "
                              "the model cannot train from it: fix or replace the checkpoint")
+
+
+@contextlib.contextmanager
+def _space_named(partial: Path):
+    """Megatron's distributed save into step directory `partial`: a full disk (which it reports as a short
+    write, "unexpected pos") raised as `checkpoint.no_space`, with the partial directory removed."""
+    try:
+        yield
+    except Exception as err:
+        if not ckpt.out_of_space(err, partial):
+            raise
+        shutil.rmtree(partial, ignore_errors=True)  # every rank: whatever each of them wrote
+        raise ckpt.no_space(partial) from None
