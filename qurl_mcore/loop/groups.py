@@ -63,11 +63,12 @@ class TrainerGroup:
     def __len__(self) -> int:
         return len(self.actors)
 
-    def _on_every_rank(self, method: str, call: Callable[[Any], Any]) -> list:
+    def _on_every_rank(self, method: str, call: Callable[[Any], Any], lag_bound: bool = True) -> list:
         """`call(rank's actor)`, the remote call of `method`, on every rank at once; their results in rank
         order. The first failure ends the wait: an EngineFailure a rank reports passes through (that engine
         restarts); any other error is the rank's own and ends the run (RunFailure naming it), as does a rank
-        that has not answered `hang_timeout` seconds after the first one did."""
+        that has not answered `hang_timeout` seconds after the first one did (unless not `lag_bound`: a call
+        whose ranks do unequal work)."""
         refs = {call(actor): rank for rank, actor in enumerate(self.actors)}
         results, pending = {}, list(refs)
         deadline = None  # set by the first answer
@@ -78,7 +79,7 @@ class TrainerGroup:
                 raise RunFailure(f"trainer rank {rank} hung in {method}: no answer {self.hang_timeout:g} s after "
                                  f"rank(s) {', '.join(map(str, sorted(results)))} answered (train.hang_timeout_s); "
                                  f"see {self.logs}/trainer-{rank}.log")
-            deadline = deadline or time.monotonic() + self.hang_timeout
+            deadline = deadline or (time.monotonic() + self.hang_timeout if lag_bound else None)
             rank = refs[ready[0]]
             try:
                 results[rank] = ray.get(ready[0])
@@ -138,7 +139,8 @@ class TrainerGroup:
 
     def export_hf(self, out_dir: str) -> str | None:
         """The model as an HF checkpoint in `out_dir`; returns the directory rank 0 wrote."""
-        return self._on_every_rank("export_hf", lambda t: t.export_hf.remote(out_dir))[0]
+        # rank 0 writes the whole model alone, after the others are done
+        return self._on_every_rank("export_hf", lambda t: t.export_hf.remote(out_dir), lag_bound=False)[0]
 
     def pids(self) -> list[int]:
         """The ranks' process ids, in rank order."""

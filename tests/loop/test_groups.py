@@ -5,6 +5,7 @@ expects. A renamed or re-signed actor method fails here, not in the middle of a 
 from __future__ import annotations
 
 import inspect
+import time
 
 import pytest
 import ray
@@ -24,8 +25,9 @@ HANG_S = 30.0
 class Ref:
     """A remote call: its value, or the error `ray.get` raises; a `hung` one never finishes."""
 
-    def __init__(self, value=None, error: Exception | None = None, hung: bool = False):
+    def __init__(self, value=None, error: Exception | None = None, hung: bool = False, waits: int = 0):
         self.value, self.error, self.hung = value, error, hung
+        self.waits = waits  # the `ray.wait` calls that pass before it finishes (a slow call)
 
 
 class Handle:
@@ -61,7 +63,9 @@ def fake_ray(monkeypatch):
 
     def wait(refs, num_returns=1, timeout=None):
         waits.append((len(refs), num_returns, timeout))
-        done = [ref for ref in refs if not ref.hung][:num_returns]
+        done = [ref for ref in refs if not ref.hung and ref.waits <= 0][:num_returns]
+        for ref in refs:
+            ref.waits -= 1
         if len(done) < num_returns and timeout is None:
             raise AssertionError("ray.wait without a timeout on a call that never ends")
         return done, [ref for ref in refs if ref not in done]
@@ -228,6 +232,15 @@ def test_a_rank_that_never_answers_ends_the_run_naming_it(fake_ray):
         group.step(BATCH)
     assert str(failure.value) == (f"trainer rank 1 hung in step: no answer 30 s after rank(s) 0, 2 answered "
                                   f"(train.hang_timeout_s); see {LOGS}/trainer-1.log")
+
+
+def test_the_export_waits_for_rank_0_writing_the_model_alone(fake_ray, monkeypatch):
+    """Rank 0 writes the model after the others are done, longer than the hang timeout allows between ranks."""
+    clock = iter(range(0, 10_000, 100))  # each look at the clock: 100 s later
+    monkeypatch.setattr(time, "monotonic", lambda: float(next(clock)))
+    answers = iter([Ref("ckpt/hf", waits=5), Ref(None)])
+    group = TrainerGroup([Handle(PolicyTrainer, [], lambda name: next(answers)) for _ in range(2)], LOGS, HANG_S)
+    assert group.export_hf("ckpt/hf") == "ckpt/hf"
 
 
 def test_a_host_ray_cannot_reach_is_waited_for_a_bounded_time(fake_ray):
