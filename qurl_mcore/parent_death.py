@@ -11,13 +11,19 @@ The kernel signals when the *thread* that forked the child ends: start such prog
 lives as long as they should (a Ray actor's, which runs its methods on its main thread).
 
 `descendants` and `stop_survivors` are the check at the end of a run: what it started (Ray's daemons, whose
-agents the raylet starts without that signal, and what they started) is gone, or is stopped and named.
+agents the raylet starts without that signal, and what they started) is gone, or is stopped and named. A run
+killed outright (SIGKILL) runs no check: `start_reaper` starts a watcher, in a session of its own, that notes
+the run's processes every second and kills those still running once the run is gone:
+
+    python -m qurl_mcore.parent_death --reap PID
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,7 +86,44 @@ def stop_survivors(pids: list[int], grace_s: float) -> list[str]:
     return killed
 
 
+def _started(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc's field 22): a pid the kernel reused has
+    another."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def reap_when_gone(pid: int, poll_s: float = 1.0) -> None:
+    """Until process `pid` ends, note its descendants every `poll_s` seconds; then SIGKILL those still running
+    (the very processes noted: a pid reused since is left alone)."""
+    noted: dict[int, str] = {}
+    while _running(pid):
+        for child in descendants(pid):
+            if child != os.getpid() and (started := _started(child)) is not None:
+                noted[child] = started
+        time.sleep(poll_s)
+    for child, started in noted.items():
+        if _running(child) and _started(child) == started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
+def start_reaper() -> subprocess.Popen | None:
+    """A watcher that kills what this process started once it is gone, however it ends (`reap_when_gone`), in
+    a session of its own (a signal to this process group spares it); None off Linux. Stop it (`kill`) when
+    this process has stopped what it started itself."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return subprocess.Popen([sys.executable, "-m", __name__, "--reap", str(os.getpid())], start_new_session=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def main(args: list[str]) -> None:
+    if args[0] == "--reap":
+        reap_when_gone(int(args[1]))
+        return
     parent, argv = int(args[0]), args[1:]
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from qurl_mcore import checkpoint as ckpt
 from qurl_mcore.config import Config, ConfigError, flatten, to_dict
 from qurl_mcore.models import resolve_model_path
-from qurl_mcore.parent_death import descendants, stop_survivors
+from qurl_mcore.parent_death import descendants, start_reaper, stop_survivors
 from qurl_mcore.precision import quantized_linears
 from qurl_mcore.preflight import preflight
 from qurl_mcore.provenance import code_version
@@ -375,6 +375,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         f"{cfg.train.world_size} trainer rank(s), {cfg.rollout.engines} engine(s); code {code.label()}; "
         f"logs in {logs}")
     owns_ray = not ray.is_initialized()
+    reaper = start_reaper() if owns_ray else None  # Ray's processes, also after a kill -9 of this one
     before_ray = set(descendants())  # what this process ran before Ray: not the run's to stop at its end
     if owns_ray:
         # "local": never attach to a cluster some earlier `ray start` left behind on this machine
@@ -385,6 +386,9 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
                          log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
         except BaseException as err:  # Ctrl-C included: the directories are the next run's
             locks.release()
+            if reaper is not None:
+                reaper.kill()
+                reaper.wait()
             if isinstance(err, Exception):  # a start-up timeout, an address nobody answers at: one line
                 reason = (str(err).strip().splitlines() or [type(err).__name__])[-1]
                 raise RunFailure(f"Ray did not start{f' at {address}' if address else ''}: {reason}") from None
@@ -451,6 +455,9 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
                 left = stop_survivors(spawned, RAY_EXIT_GRACE_S)
                 if left:
                     say(f"stopped {len(left)} process(es) the run started that outlived Ray: {', '.join(left)}")
+                if reaper is not None:  # nothing of the run is left for it
+                    reaper.kill()
+                    reaper.wait()
             stop.restore()
             locks.release()
     report = write_report(log.path, cfg.logging.dir) if log.path.exists() else None

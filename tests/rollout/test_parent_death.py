@@ -79,3 +79,43 @@ def test_what_outlives_a_run_is_found_stopped_and_named():
         lingering.kill()
         quick.wait()
         lingering.wait()
+
+
+KILLED_DRIVER = """
+import subprocess, time
+from qurl_mcore.parent_death import start_reaper
+start_reaper()
+time.sleep(1)
+daemon = subprocess.Popen(["sh", "-c", "sleep 120 & wait"], start_new_session=True)  # as Ray's agents: no fate
+print(daemon.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")
+def test_what_a_killed_run_started_is_reaped():
+    """kill -9 of the driver runs none of its cleanup: its reaper kills what it had started (Ray's agents)."""
+    from qurl_mcore.parent_death import descendants
+
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    daemon = int(driver.stdout.readline())
+    grandchild = None
+    try:
+        deadline = time.monotonic() + 30
+        while not descendants(daemon):  # its child `sleep` is up
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (grandchild,) = descendants(daemon)
+        time.sleep(2.5)  # the reaper has noted both
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 15
+        while (_running(daemon) or _running(grandchild)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(daemon) and not _running(grandchild), "the killed run's processes outlived it"
+    finally:
+        driver.kill()
+        for pid in (daemon, grandchild):
+            if pid is not None and _running(pid):
+                os.kill(pid, signal.SIGKILL)
