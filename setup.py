@@ -6,6 +6,13 @@ from setuptools import find_packages, setup
 # one version: the package's own __version__ (what `qurl --version` prints when the package is not installed)
 VERSION = re.search(r'__version__ = "([^"]+)"', (Path(__file__).parent / "qurl_mcore" / "__init__.py").read_text())[1]
 
+
+def requirements(name: str) -> list[str]:
+    """The requirements of requirements/NAME.txt (one place for an extra's pins)."""
+    lines = (Path(__file__).parent / "requirements" / f"{name}.txt").read_text().splitlines()
+    return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+
+
 setup(
     name="qurl-mcore",
     version=VERSION,
@@ -18,7 +25,8 @@ setup(
     python_requires=">=3.10",
     # Runtime pins live in requirements/{cpu,gpu}.txt: the CPU and GPU environments take different torch builds.
     install_requires=["torch>=2.6", "numpy"],
-    extras_require={"test": ["pytest>=8.0", "hypothesis>=6.100", "scipy>=1.11"]},
+    # wandb: logging.wandb_project (requirements/wandb.txt)
+    extras_require={"test": ["pytest>=8.0", "hypothesis>=6.100", "scipy>=1.11"], "wandb": requirements("wandb")},
     entry_points={
         "console_scripts": ["qurl=qurl_mcore.cli:main"],
         # SGLang loads these in every one of its processes: the qurl_* quantization methods.

@@ -9,6 +9,9 @@ which sections the budget would run, without running them.
                  finite with the trainer's mask, and whether a fully masked row would give NaN there
   trainer-overlap steps of 2, 1 and 3 micro-batches on one trainer (Megatron's DDP with overlap_grad_reduce):
                  every step finite and none skipped
+  rollout-fp4    the FP4 MoE kernels (NVFP4, MXFP4, RC on and off) against a BF16 fused MoE at Qwen3-30B-A3B's
+                 and GLM-4.5's expert shapes, batches 1, 8, 64, 256, replayed from CUDA graphs: bf16 time /
+                 FP4 time, and each kernel's error against the emulation (benchmarks/rollout_kernels.py)
   trainer-tiny   a tiny Llama step in bf16 with Megatron's DDP and distributed optimizer at world size 1,
                  against the same step on the CPU (fp32, in a process without CUDA): loss, peak memory
   rollout-graphs each rollout method's linear (and emulated MoE experts) captured in a CUDA graph, replayed
@@ -21,6 +24,9 @@ which sections the budget would run, without running them.
   trainer-moe    a tiny Qwen3-MoE step on the GPU without Transformer Engine
   gpu-tests      the `gpu`-marked tests (trainer, GEMM kernels, spec, the engine's host masters)
   quant-throughput quantize+dequantize, eager and compiled, vs a copy (benchmarks/quant_throughput.py)
+  trainer-experts grouped vs sequential experts, forward + backward of one layer at Qwen3-30B-A3B's expert shapes
+                 in bf16 and fp4_rc (benchmarks/trainer_step.py --experts), and whether torch._grouped_mm
+                 takes bf16 and fp32 operands on this GPU
 
 Models are random checkpoints written here (no tokenizer, no network).
 """
@@ -38,12 +44,13 @@ from pathlib import Path
 
 import quant_throughput
 import rollout_kernels
+import trainer_step
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the `gpu`-marked tests that need no SGLang (the GPU machine has none)
 GPU_TESTS = ("tests/loop/test_trainer_gpu.py", "tests/quant/test_gemm.py", "tests/megatron/test_spec.py",
-             "tests/sglang/test_plugin_units.py")
+             "tests/sglang/test_host_masters.py")
 
 
 def random_llama(out: Path, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int) -> Path:
@@ -216,8 +223,9 @@ def cross_device() -> str:
 
 
 #: section -> its time budget in seconds (on the lent H200, measured with room), in the order they run
-SECTIONS = {"trainer-padded": 40, "trainer-overlap": 35, "trainer-tiny": 45, "gpu-tests": 90, "rollout-graphs": 25,
-            "rollout-decode": 40, "trainer-moe": 30, "rollout-requant": 80, "trainer-1b": 110, "quant-throughput": 110}
+SECTIONS = {"trainer-padded": 40, "trainer-overlap": 35, "rollout-fp4": 120, "trainer-tiny": 45, "gpu-tests": 90,
+            "rollout-graphs": 25, "rollout-decode": 40, "trainer-moe": 30, "rollout-requant": 80, "trainer-1b": 110,
+            "quant-throughput": 110, "trainer-experts": 90}
 #: the default budget: the sections that fit, with the script's setup, in under 5 minutes
 BUDGET_S = 240.0
 
@@ -294,6 +302,14 @@ def main() -> None:
         return "bf16 time / quantized (eager, CUDA graphs): " + ", ".join(
             f"{fmt} M{m} {k}x{n} x{r:.2f}/x{graphed[fmt, m, k, n]:.2f}" for (fmt, m, k, n), r in eager.items())
 
+    def fp4_moe():
+        rows = rollout_kernels.fp4_moe_rows("cuda", repeats=10)
+        worst = max(error for *_, error in rows)
+        baselines = rollout_kernels.bf16_moe_errors("cuda")
+        return (f"bf16 fused MoE time / FP4 kernels (largest error vs emulation {worst:.1e}; bf16 baselines vs "
+                f"torch: " + ", ".join(f"{k} {v:.1e}" for k, v in baselines.items()) + "): "
+                + ", ".join(f"{model} {method} M{batch} x{ratio:.2f}" for model, method, batch, ratio, _ in rows))
+
     def requant():
         linears = rollout_kernels.qwen25_7b_linears()
         base, ratios = rollout_kernels.requant_ratios("cuda", linears)
@@ -307,10 +323,25 @@ def main() -> None:
                 + ", ".join(f"{fmt}/{gran} {e:.1f}/{c:.1f}" for fmt, gran, e, c, _ in rows)
                 + f"; compiled DIFFERS from eager: {', '.join(differ)}" * bool(differ) + "; GPU vs CPU: " + cross_device())
 
+    def experts():
+        import torch
+
+        def takes(dtype):
+            a, b = torch.ones(32, 64, dtype=dtype, device="cuda"), torch.ones(2, 64, 64, dtype=dtype, device="cuda")
+            try:
+                torch._grouped_mm(a, b, offs=torch.tensor([16, 32], dtype=torch.int32, device="cuda"))
+                return "yes"
+            except RuntimeError as err:
+                return f"no ({str(err)[:80]})"
+
+        shape = "qwen3-30b-a3b"
+        return (trainer_step.experts_report(shape, trainer_step.experts_seconds(shape, repeats=2, device="cuda"))
+                + f"; torch._grouped_mm bf16 {takes(torch.bfloat16)}, fp32 {takes(torch.float32)}")
+
     bodies = {"trainer-padded": lambda: padded_section("cuda"), "trainer-overlap": overlap_section, "trainer-tiny": tiny, "gpu-tests": gpu_tests,
-              "rollout-graphs": graphs, "rollout-decode": decode, "trainer-moe": moe,
+              "rollout-graphs": graphs, "rollout-fp4": fp4_moe, "rollout-decode": decode, "trainer-moe": moe,
               "rollout-requant": requant,  # compiling 3 formats included
-              "trainer-1b": one_b, "quant-throughput": throughput}
+              "trainer-1b": one_b, "quant-throughput": throughput, "trainer-experts": experts}
     spent = 0.0  # a dry run counts each section it would run at its budget
     for name in only or SECTIONS:
         left = args.budget_s - spent if args.dry_run else deadline - time.monotonic()

@@ -6,7 +6,8 @@
 # that no longer fits the time left is skipped and reported. QURL_DEVICE_BUDGET_S (default 240 s) bounds the
 # sections: with the setup the run stays under 5 minutes, leaving a 15-minute slot room for a rerun.
 # `bash benchmarks/device_check.sh --dry-run` (any machine) prints which sections the budget would run;
-# QURL_DEVICE_SECTIONS=a,b runs only those sections (a rerun of the ones that failed).
+# QURL_DEVICE_SECTIONS=a,b runs only those sections (a rerun of the ones that failed; rollout-fp4: the FP4 MoE
+# kernels against BF16 fused MoE alone).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" QURL_CACHE_DIR=/tmp/qurl-cache

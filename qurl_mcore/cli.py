@@ -140,7 +140,7 @@ def _patch_target(args: argparse.Namespace, target: str) -> int:
 def _launch_slurm(args: argparse.Namespace) -> int:
     bad = [item for item in args.env if "=" not in item]
     if bad:
-        print(f"qurl launch slurm: --env takes KEY=VALUE, got {bad}")
+        print(f"qurl launch slurm: --env takes KEY=VALUE, got {bad}", file=sys.stderr)
         return 2
     env = dict(item.split("=", 1) for item in args.env)
     job = SlurmJob(
@@ -156,8 +156,8 @@ def _launch_slurm(args: argparse.Namespace) -> int:
             print(render(job), end="")
             return 0
         path, job_id = submit(job)
-    except (ValueError, RuntimeError) as err:
-        print(f"qurl launch slurm: {err}")
+    except (ValueError, RuntimeError, OSError) as err:
+        print(f"qurl launch slurm: {err}", file=sys.stderr)
         return 2
     print(f"submitted job {job_id}: {path}")
     return 0
@@ -173,7 +173,9 @@ def _add_launch(sub) -> None:
     p.add_argument("--account")
     p.add_argument("--time", help="Slurm time limit, e.g. 04:00:00; the job requeues itself before it")
     p.add_argument("--container-image", help="run every step in this image (pyxis/enroot)")
-    p.add_argument("--container-mounts", help="pyxis mounts (default: the work directory at the same path)")
+    p.add_argument("--container-mounts", help="pyxis mounts (default: at their own paths, the work directory, the "
+                                              "checkout, and the directories of the config, its data, model and "
+                                              "checkpoints)")
     p.add_argument("--gpu", help="the nodes' GPU, h100-80g, h200-141g or b200-180g: plan the memory as qurl plan "
                                  "does (default: the config's gpu; none named: not planned)")
     p.add_argument("--layout", choices=["colocated", "disaggregated"], help="default: the config's")
@@ -182,10 +184,12 @@ def _add_launch(sub) -> None:
     p.add_argument("--cpus-per-node", type=int, default=16)
     p.add_argument("--object-store-gb", type=int, default=10, help="Ray object store per node (default 10)")
     p.add_argument("--job-name", help="default: the config file's name")
-    p.add_argument("--workdir", default=".", help="the qurl-mcore checkout every node sees (default: here)")
-    p.add_argument("--venv", help="virtual environment to use (default: WORKDIR/.venv when present)")
-    p.add_argument("--log-dir", help="default: WORKDIR/runs/JOB_NAME/logs")
-    p.add_argument("--ckpt-dir", help="default: WORKDIR/runs/JOB_NAME/checkpoints")
+    p.add_argument("--workdir", default=".", help="where qurl train runs, which every node sees; the config's "
+                                                  "relative paths are from there (default: here)")
+    p.add_argument("--venv", help="the Python environment to activate on the nodes (default: the one this command "
+                                  "runs in; with --container-image none, the image's); '' for none")
+    p.add_argument("--log-dir", help="default: the config's logging.dir (relative: under WORKDIR)")
+    p.add_argument("--ckpt-dir", help="default: the config's checkpoint.dir (relative: under WORKDIR)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment, e.g. NCCL_IB_HCA=mlx5 (never put secrets here)")
     p.add_argument("--train-command", help="replace `qurl train --config ...` with this shell command")
@@ -226,7 +230,11 @@ def _export(args: argparse.Namespace) -> int:
         # lazy: loads torch and Megatron-Core, not at `qurl --help`
         from .export import export_checkpoint
         from .megatron.export import claim_output, unscale_hf_checkpoint
+        from .preflight import unwritable
 
+        problem = unwritable(Path(out))  # before the ranks start: their failure would come back as a traceback
+        if problem:
+            raise ValueError(f"{problem}; give a directory the export can write")
         claim_output(out, src, force=args.force)
         out = (unscale_hf_checkpoint(src, out, args.uaq_scale) if hf_dir
                else export_checkpoint(src, out, dtype=args.dtype))

@@ -1,10 +1,12 @@
 """`qurl export`: a run's checkpoint out of the project as an HF checkpoint directory that transformers and
 SGLang load as they load the model it was trained from.
 
-Each trainer rank of the run is rebuilt on the CPU, in a process of its own, from the run's config (recorded in
-the checkpoint's meta.json) and its slices of the model (torch_dist checkpoints) or its own file (per-rank
-torch checkpoints); together they write the model with `qurl_mcore.megatron.export.write_hf_checkpoint`, which
-undoes the run's UAQ rescaling.
+Each trainer rank of the run is rebuilt on the CPU, in a process of its own that sees no GPU (gloo between
+them: a run of more ranks than this machine has GPUs, any multi-node run, exports on one machine), from the
+run's config (recorded in the checkpoint's meta.json) and its slices of the model (torch_dist checkpoints) or
+its own file (per-rank torch checkpoints); together they write the model with
+`qurl_mcore.megatron.export.write_hf_checkpoint`, which undoes the run's UAQ rescaling. The machine's memory
+holds the model once per data-parallel replica of the run, in the ranks' slices.
 """
 from __future__ import annotations
 
@@ -73,5 +75,5 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: st
     path = checkpoint_to_export(checkpoint_dir)
     meta = read_meta(path)
     print(f"qurl export: step {meta['step']} ({path})", file=sys.stderr)
-    results = spawn(_export_rank, meta["world_size"], str(path), str(out_dir), dtype)
+    results = spawn(_export_rank, meta["world_size"], str(path), str(out_dir), dtype, cpu=True)
     return Path(results[0])

@@ -1,7 +1,8 @@
 """`qurl train --check`: every rule that involves more than one field, checked before anything starts.
 
 `preflight(cfg)` reads the model's config.json, its weights' headers and its tokenizer (every prompt row is
-measured by it), applies the precision table and the placement rules, and returns the problems (each naming the fields and the fix) together with a summary of
+measured by it), scores the reward on the first rows' answers, checks that no other run holds the run's
+directories, applies the precision table and the placement rules, and returns the problems (each naming the fields and the fix) together with a summary of
 the resolved run: the precision of each side and the linears each quantizes, the layout and where the
 actors go. Nothing here starts Ray, Megatron or SGLang, or imports them; `qurl train` runs the same
 checks first and refuses to start on any problem.
@@ -25,15 +26,23 @@ from .config import Config
 from .heldout import eval_examples, greedy_repeats
 from .models import ARCHITECTURES, resolve_model_path
 from .placement import placement_of, unplaceable
-from .models.registry import hf_linears, num_experts
+from .models.registry import hf_linears, num_experts, shape
 from .precision import METHODS, PRECISIONS, SCOPES, get_precision, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
-from .sizing import GPUS, check_fits, local_gpu, model_config
+from .runlock import in_use
+from .sizing import GPUS, check_fits, local_gpu, model_config, parameter_count
 from .smoothing import fold_table, refusal
-from .tasks import addition_examples, chat_ids, load_reward, scan_examples
+from .stack import Stack, experts, fusions
+from .tasks import (REWARDS, Example, addition_examples, chat_ids, load_reward, prompt_file_problem,
+                    replies_stating, scan_examples, score_all)
 
 
 BAD_ROWS_NAMED = 5  # the check counts every bad prompt row and names the first few
+# the CPU demo's step (README: 18 s, 8 prompts x 6 samples of up to 6 new tokens, SmolLM2-135M's 134.5M
+# parameters, 2 cores): what `--check` scales a CPU run's step time from
+CPU_DEMO_STEP_S = 18.0
+CPU_DEMO_WORK = 134_515_008 * 8 * 6 * 6
+REWARD_PROBE_ROWS = 8  # the reward is scored on replies stating the answers of the first rows
 
 
 @dataclass
@@ -66,10 +75,10 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
     t, r, d = cfg.train, cfg.rollout, cfg.data
     if d.task == "file" and not d.path:
         out.problems.append("data.path: task 'file' needs the path of a .jsonl or .parquet prompt file")
-    elif d.task == "file" and not Path(d.path).is_file():
-        out.problems.append(f"data.path: {d.path} does not exist")
+    elif d.task == "file" and prompt_file_problem(d.path):
+        out.problems.append(f"data.path: {prompt_file_problem(d.path)}")
     for name, path in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir)):
-        problem = _unwritable(Path(path))
+        problem = unwritable(Path(path))
         if problem:
             out.problems.append(f"{name}: {problem}; the run would stop at its first write, losing its steps")
     if t.advantage in ("grpo", "rloo") and r.samples_per_prompt < 2:
@@ -117,6 +126,42 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
         out.problems.append(f"data.reward: {err}")
 
 
+def _lock_rules(cfg: Config, out: Preflight) -> None:
+    """The run's directories are free: a run that holds one (qurl_mcore/runlock.py) is named."""
+    for name, path in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir)):
+        problem = in_use(path)
+        if problem:
+            out.problems.append(f"{name}: {problem}")
+
+
+def _cpu_step(cfg: Config, hf: dict[str, Any], out: Preflight) -> None:
+    """On CPUs, a step's time scaled from the CPU demo's by parameters x sampled tokens (the work of rollout and
+    training both grows with it); a step of hours is warned of. The trainer's memory does not grow with the
+    batch (micro-batches of train.micro_batch_size)."""
+    r = cfg.rollout
+    samples = cfg.data.prompts_per_step * r.samples_per_prompt
+    work = parameter_count(shape(hf)) * samples * r.max_new_tokens
+    seconds = CPU_DEMO_STEP_S * work / CPU_DEMO_WORK
+    when = next(f"{seconds / unit:.3g} {name}" for unit, name in ((86400, "days"), (3600, "h"), (60, "min"), (1, "s"))
+                if seconds >= unit or unit == 1)
+    out.summary.append(f"  cpu step    ~{when} a step: {samples} samples of up to {r.max_new_tokens} new tokens, "
+                       f"scaled from the CPU demo's {CPU_DEMO_STEP_S:g} s step on 2 cores by parameters x samples x "
+                       "new tokens")
+    if seconds > 3600:
+        out.summary.append(f"  warning     a step of {samples} samples takes hours on CPUs: lower "
+                           "data.prompts_per_step or rollout.samples_per_prompt, or run on GPUs")
+
+
+def _logging_rules(cfg: Config, out: Preflight) -> None:
+    """logging.wandb_project needs wandb where the driver runs: an optional package (requirements/wandb.txt),
+    imported only at the run's first log."""
+    project = cfg.logging.wandb_project
+    if project and importlib.util.find_spec("wandb") is None:
+        out.problems.append(f"logging.wandb_project: {project!r} logs to Weights & Biases, but wandb is not "
+                            "installed here; pip install -r requirements/wandb.txt (or the package's [wandb] "
+                            "extra), or leave logging.wandb_project empty")
+
+
 def _compile_toolchain(use_gpu: bool) -> str | None:
     """What torch.compile's inductor lacks here, or None: Triton on GPUs, a C++ compiler ($CXX, else g++) on CPUs."""
     if use_gpu:
@@ -156,7 +201,7 @@ def _prompt_rows(cfg: Config, out: Preflight, model_path: str | None) -> None:
     rollout.max_new_tokens of rollout.context_length for the answer. The first few bad rows are named, all
     are counted."""
     d, r = cfg.data, cfg.rollout
-    if d.task != "file" or not d.path or not Path(d.path).is_file():
+    if d.task != "file" or not d.path or prompt_file_problem(d.path):
         return  # the field rules named the path
     budget = r.context_length - r.max_new_tokens  # the field rules refuse a budget of 0 or less
     tokenizer = None
@@ -164,13 +209,16 @@ def _prompt_rows(cfg: Config, out: Preflight, model_path: str | None) -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-    bad, rows, longest = [], 0, 0
+    bad, rows, longest, first = [], 0, 0, []
     try:
         for where, example in scan_examples(d.path, prompt_key=d.prompt_key, answer_key=d.answer_key):
             rows += 1
             if isinstance(example, str):
                 bad.append(example)
-            elif tokenizer is not None:
+                continue
+            if len(first) < REWARD_PROBE_ROWS:
+                first.append(example)
+            if tokenizer is not None:
                 length = len(chat_ids(tokenizer, example, d.system_prompt))
                 longest = max(longest, length)
                 if length > budget:
@@ -187,9 +235,37 @@ def _prompt_rows(cfg: Config, out: Preflight, model_path: str | None) -> None:
         out.problems.append(f"data.path: {d.path} holds no prompts")
     if tokenizer is not None and rows:
         out.summary.append(f"  data        {rows} prompts, the longest {longest} tokens (room: {budget})")
+    if first:
+        _reward_probe(cfg, first, out)
 
 
-def _unwritable(path: Path) -> str | None:
+def _reward_probe(cfg: Config, examples: list[Example], out: Preflight) -> None:
+    """data.reward scored on replies that state the answers of the data's first rows (`replies_stating`): a
+    reward that pays none of them would pay nothing all run, every advantage zero (the answer key names the
+    wrong field, or the answers are of a kind the reward does not read). A built-in reward is refused; a
+    user's, whose reply format the check cannot know, gets a note."""
+    d = cfg.data
+    try:
+        fn = load_reward(d.reward)
+    except ValueError:
+        return  # the field rules named it
+    pairs = [(reply, ex.answer) for ex in examples for reply in replies_stating(d.reward, ex.answer)]
+    scores, stats = score_all(fn, [reply for reply, _ in pairs], [answer for _, answer in pairs])
+    if any(score > 0 for score in scores):
+        return
+    raised = f", raising {stats.messages[0]}" if stats.errors else ""
+    why = (f"data.reward: {d.reward} pays nothing for a reply that states the answer, on each of the first "
+           f"{len(examples)} rows (the first answer: {examples[0].answer!r}{raised}), so it would pay nothing all "
+           f"run: data.answer_key {d.answer_key!r} may name the wrong field (verl's layout: "
+           "reward_model.ground_truth), or the answers are of a kind the reward does not read (data.reward=math "
+           "reads LaTeX and expressions)")
+    if d.reward in REWARDS:
+        out.problems.append(why)
+    else:
+        out.summary.append(f"  note        {why}; unless your reward reads another form of reply, fix it")
+
+
+def unwritable(path: Path) -> str | None:
     """Why nothing could be written at `path`, or None: proven by creating it if missing and writing a file in
     it (permissions alone do not say: root passes every access check, /proc refuses root), then removing what
     was made."""
@@ -353,6 +429,20 @@ def _placement(cfg: Config, use_gpu: bool, out: Preflight, local: bool) -> None:
                        f"{len(placement.bundles)} bundle(s), {devices:g} {placement.device}(s) in all")
 
 
+def _kernel_lines(cfg: Config, moe: bool, out: Preflight) -> None:
+    """The trainer's Megatron fusions on this process's stack (a trainer node's may differ: the rank decides
+    with the same table, `stack.fusions`) and, for an MoE model, its experts module."""
+    choice = fusions(Stack.installed())
+    on = [name for name, (yes, _) in choice.items() if yes]
+    out.summary.append(f"  fusions     {', '.join(on) or 'none'} on (this node's stack)")
+    for name, (yes, why) in choice.items():
+        if not yes:
+            out.summary.append(f"              {name} off: {why}")
+    if moe:
+        name, why = experts(cfg.recipe())
+        out.summary.append(f"  experts     {name}: {why}")
+
+
 def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu: str | None = None) -> Preflight:
     """Check `cfg` as a whole (the fields themselves were checked by `load_config`). `use_gpu`: whether the
     run targets GPUs (default: whether this machine has one, or a `gpu` is named); `local`: the run starts its
@@ -365,6 +455,8 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
         use_gpu = torch.cuda.is_available()
     precision, scope, fmt = cfg.resolved_precision()
     _field_rules(cfg, out, use_gpu)
+    _lock_rules(cfg, out)
+    _logging_rules(cfg, out)
     model = _model_config(cfg, out)
     if model is None and gpu is not None:  # planning for a cluster from here: its checkpoints may not be here
         model = _model_card(cfg, out)
@@ -379,6 +471,8 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
         _parallel_checks(cfg, hf, out)
         if use_gpu:
             _memory_plan(cfg, hf, out, gpu)
+        else:
+            _cpu_step(cfg, hf, out)
         train = quantized_linears(hf, precision.name, scope, side="train")
         roll = quantized_linears(hf, precision.name, scope, side="rollout")
         mode = f"mode {precision.train}" if precision.trains_quantized else "full precision"
@@ -396,6 +490,7 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
     out.summary.append(f"  loss        {t.loss} (eps {t.eps_low}/{t.eps_high}), {t.advantage} advantages, lr {t.lr}, "
                        f"{cfg.data.prompts_per_step} prompts x {r.samples_per_prompt} samples per step, "
                        f"{cfg.steps} steps")
+    _kernel_lines(cfg, model is not None and num_experts(model[1]) > 0, out)
     out.summary.append("  uaq         " + (f"on, s = {cfg.uaq.scale}" if cfg.uaq.enabled else "off"))
     _eval_rules(cfg, out)
     out.summary.append(f"  outputs     checkpoints {cfg.checkpoint.dir} (every {cfg.checkpoint.every}), "

@@ -66,21 +66,15 @@ class RunLock:
                 fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 file.close()
-                raise DirectoryInUse(f"{directory} is in use by another run: {_describe(_read(path))}; wait for "
-                                     "it to end or give this run its own checkpoint.dir and logging.dir") from None
+                raise DirectoryInUse(_held(directory, path)) from None
             if path.exists() and os.stat(path).st_ino == os.fstat(file.fileno()).st_ino:
                 break
             file.close()  # the holder released (unlinked) the file between our open and our flock: open it anew
         fd = file.fileno()
         try:
-            holder = _read(path)
-            if holder and holder.get("host") != record["host"]:
-                raise DirectoryInUse(f"{directory} is in use by a run on another host: {_describe(holder)}; if "
-                                     f"that run is over, remove {path} and start again")
-            alive = holder.get("started") is not None and _started(holder.get("pid", -1)) == holder["started"]
-            if alive and holder["pid"] != record["pid"]:
-                raise DirectoryInUse(f"{directory} is in use by another run: {_describe(holder)} (it holds no "
-                                     f"lock, yet runs); if it is not a run, remove {path}")
+            problem = _unlocked_holder(directory, path, record)
+            if problem:
+                raise DirectoryInUse(problem)
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode(), 0)
             os.fsync(fd)
@@ -101,6 +95,39 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _held(directory: Path, path: Path) -> str:
+    return (f"{directory} is in use by another run: {_describe(_read(path))}; wait for it to end or give this run "
+            "its own checkpoint.dir and logging.dir")
+
+
+def _unlocked_holder(directory: Path, path: Path, record: dict) -> str | None:
+    """Why the record of an unlocked lock file `path` still bars a run of `record`'s host and pid, or None."""
+    holder = _read(path)
+    if holder and holder.get("host") != record["host"]:
+        return (f"{directory} is in use by a run on another host: {_describe(holder)}; if that run is over, "
+                f"remove {path} and start again")
+    alive = holder.get("started") is not None and _started(holder.get("pid", -1)) == holder["started"]
+    if alive and holder["pid"] != record["pid"]:
+        return (f"{directory} is in use by another run: {_describe(holder)} (it holds no lock, yet runs); if it is "
+                f"not a run, remove {path}")
+    return None
+
+
+def in_use(directory: str | Path) -> str | None:
+    """Why a run could not lock `directory` now (`lock_dirs` would refuse it, naming the holder), or None;
+    takes no lock and creates nothing (`qurl train --check`)."""
+    directory = Path(directory).resolve()
+    path = directory / LOCK_FILE
+    try:
+        with path.open("rb") as file:  # a shared flock, released as the file closes: held exclusively, it fails
+            fcntl.flock(file.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _held(directory, path)
+    except OSError:  # no lock file (or none readable): no run holds it
+        return None
+    return _unlocked_holder(directory, path, {"host": socket.gethostname(), "pid": os.getpid()})
 
 
 def _read(path: Path) -> dict:

@@ -11,16 +11,38 @@ from __future__ import annotations
 import math
 import re
 import shlex
+import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from .config import ConfigError, load_config
+from .models import resolve_model_path
 from .placement import placement_of
 
 LAYOUTS = ("colocated", "disaggregated")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-TEMPLATE = Path(__file__).resolve().parent.parent / "launch" / "slurm" / "job.sbatch.j2"
+#: the checkout this package runs from: the job runs its launch/ scripts by their absolute paths
+CHECKOUT = Path(__file__).resolve().parent.parent
+TEMPLATE = CHECKOUT / "launch" / "slurm" / "job.sbatch.j2"
+RAY_SCRIPT = CHECKOUT / "launch" / "ray_cluster.sh"
+
+
+def running_environment() -> str:
+    """The Python environment this process runs in, when it is one to activate (a virtual environment or a conda
+    environment), else ''."""
+    prefix = Path(sys.prefix)
+    return str(prefix) if sys.prefix != sys.base_prefix or (prefix / "conda-meta").is_dir() else ""
+
+
+def _outermost(paths: list[Path]) -> list[Path]:
+    """`paths` without those inside another of them, sorted."""
+    kept: list[Path] = []
+    for path in sorted(set(paths)):
+        if not any(path == k or k in path.parents for k in kept):
+            kept.append(path)
+    return kept
 
 #: Environment for NCCL over InfiniBand and for Megatron on GPUs. Site-specific settings (NCCL_IB_HCA,
 #: NCCL_SOCKET_IFNAME, ...) are added with --env.
@@ -67,14 +89,24 @@ class SlurmJob:
 
     def resolved(self) -> "SlurmJob":
         """A copy with absolute paths and the defaults that depend on other fields filled in: the job name from
-        the config file's name, the run's directories under WORKDIR/runs/JOB_NAME, the layout from the config
-        (with its overrides), and a disaggregated job's rollout nodes as many as the config's engines fill."""
+        the config file's name; the run's directories the config's checkpoint.dir and logging.dir (with the
+        overrides; relative ones under the work directory, where `qurl train` runs); the environment this
+        command runs from (none with a container: the image's); the container mounts every directory the config
+        names; the layout from the config, and a disaggregated job's rollout nodes as many as its engines fill."""
         workdir = Path(self.workdir).resolve()
-        venv = self.venv if self.venv is not None else (str(workdir / ".venv") if (workdir / ".venv").is_dir() else "")
+        if self.venv is not None:
+            venv = self.venv
+        else:
+            venv = "" if self.container_image else running_environment()
         job_name = self.job_name or Path(self.config).stem
-        run_dir = workdir / "runs" / job_name
         layout, rollout_nodes = self.layout, self.rollout_nodes
         cfg = self._config() if not self.command else None
+        ckpt_dir = self.ckpt_dir or (cfg.checkpoint.dir if cfg else str(workdir / "runs" / job_name / "checkpoints"))
+        log_dir = self.log_dir or (cfg.logging.dir if cfg else str(workdir / "runs" / job_name / "logs"))
+        ckpt_dir, log_dir = (str(workdir / Path(d).expanduser()) for d in (ckpt_dir, log_dir))
+        mounts = self.container_mounts or ",".join(
+            f"{p}:{p}" for p in _outermost([workdir, CHECKOUT, Path(self.config).resolve().parent, Path(ckpt_dir),
+                                            Path(log_dir), *self._config_dirs(cfg, workdir)]))
         if cfg is not None and layout is None:
             layout = cfg.layout
         if cfg is not None and rollout_nodes is None and layout == "disaggregated":
@@ -88,13 +120,33 @@ class SlurmJob:
             job_name=job_name,
             layout=layout or "colocated",
             rollout_nodes=rollout_nodes or 0,
-            venv=str(Path(venv).resolve()) if venv else "",
-            log_dir=str(Path(self.log_dir or run_dir / "logs").resolve()),
-            ckpt_dir=str(Path(self.ckpt_dir or run_dir / "checkpoints").resolve()),
+            venv=str(Path(venv).expanduser().absolute()) if venv else "",
+            log_dir=str(Path(log_dir).resolve()),
+            ckpt_dir=str(Path(ckpt_dir).resolve()),
             config=str(Path(self.config).resolve()),
-            container_mounts=self.container_mounts or f"{workdir}:{workdir}",
+            container_mounts=mounts,
             env={**(GPU_ENV if self.gpus_per_node else CPU_ENV), **self.env},
         )
+
+    @staticmethod
+    def _config_dirs(cfg, workdir: Path) -> list[Path]:
+        """The directories of the files a run reads that the config names (prompts, held-out prompts, the model and
+        a checkpoint it starts from), as absolute paths; a packaged model's name resolves to its cache."""
+        if cfg is None:
+            return []
+        files = [cfg.data.path if cfg.data.task == "file" else "", cfg.eval.data]
+        dirs = [cfg.model.load]
+        try:
+            dirs.append(str(resolve_model_path(cfg.model.path)))
+        except (OSError, ValueError):  # not on this machine: its own path, when it is one
+            dirs.append(cfg.model.path if "/" in cfg.model.path else "")
+        out = [(workdir / Path(f).expanduser()).parent for f in files if f]
+        return out + [workdir / Path(d).expanduser() for d in dirs if d]
+
+    @property
+    def venv_variable(self) -> str:
+        """The variable that names an activated environment of `venv`'s kind: conda's or a virtual one's."""
+        return "CONDA_PREFIX" if (Path(self.venv) / "conda-meta").is_dir() else "VIRTUAL_ENV"
 
     def train_command(self) -> str:
         """The shell command run on the head node: `qurl train` on the config, checkpointing to ckpt_dir
@@ -122,6 +174,13 @@ class SlurmJob:
             errors.append(f"--time must be a Slurm time such as 04:00:00 or 2-00:00:00 (got {self.time!r})")
         if not self.command and not Path(self.config).is_file():
             errors.append(f"--config {self.config}: no such file")
+        missing = [str(p) for p in (TEMPLATE, RAY_SCRIPT) if not p.is_file()]
+        if missing:
+            errors.append(f"{', '.join(missing)}: not found; the job runs the checkout's launch/ scripts: install "
+                          "qurl-mcore from its checkout (pip install -e CHECKOUT)")
+        if self.venv and not self.container_image and not (Path(self.venv).expanduser() / "bin" / "python").exists():
+            errors.append(f"--venv {self.venv}: no Python environment there (no bin/python); give the environment "
+                          "qurl-mcore is installed in, or --venv '' for the one on the nodes' PATH")
         for key in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 errors.append(f"--env {key!r} is not a valid variable name")
@@ -156,7 +215,8 @@ class SlurmJob:
     def _train_overrides(self) -> list[str]:
         """The key=value arguments of the job's `qurl train`: the run's directories, and the layout the nodes are
         tagged for (a run of another layout would wait for its placement, then fail), before the user's."""
-        dirs = [f"checkpoint.dir={self.ckpt_dir}", f"logging.dir={self.log_dir}"] if self.ckpt_dir else []
+        dirs = [f"{key}={value}" for key, value in (("checkpoint.dir", self.ckpt_dir), ("logging.dir", self.log_dir))
+                if value]
         return [*dirs, *([f"layout={self.layout}"] if self.layout else []), *self.overrides]
 
     def _load(self):
@@ -247,7 +307,8 @@ def render(job: SlurmJob) -> str:
     env.filters["q"] = lambda value: shlex.quote(str(value))
     template = env.from_string(TEMPLATE.read_text())
     fields = {**job.__dict__, "command": job.train_command()}
-    return template.render(**fields, train_nodes=job.train_nodes, exclusive=job.gpus_per_node > 0)
+    return template.render(**fields, train_nodes=job.train_nodes, exclusive=job.gpus_per_node > 0,
+                           venv_variable=job.venv_variable, ray_script=str(RAY_SCRIPT))
 
 
 def submit(job: SlurmJob) -> tuple[Path, str]:
@@ -255,9 +316,13 @@ def submit(job: SlurmJob) -> tuple[Path, str]:
     script = render(job)
     job = job.resolved()
     path = Path(job.log_dir) / f"{job.job_name}.sbatch"
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise RuntimeError("sbatch is not on PATH: run qurl launch slurm on a Slurm login node, or with --dry-run to "
+                           "print the job script")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
-    out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    out = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"sbatch refused {path}: {out.stderr.strip()}")
     return path, out.stdout.strip().split(";")[0]

@@ -34,7 +34,7 @@ carries them, and the fold is applied to the export, so the engine quantizes (W/
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -196,15 +196,17 @@ def smooth_tensor(name: str, tensor: torch.Tensor, scales: Mapping[str, torch.Te
 
 
 def smooth_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]], scales: Mapping[str, torch.Tensor],
-                   table: Mapping[str, tuple[Absorb, ...]], dtype: torch.dtype | None = None
+                   table: Mapping[str, tuple[Absorb, ...]],
+                   cast: Callable[[str, torch.Tensor], torch.Tensor] | None = None
                    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """An HF-named weight stream (buckets of (name, tensor)) with the fold applied, each tensor then cast to
-    `dtype` (the rollout's; None: its own)."""
+    """An HF-named weight stream (buckets of (name, tensor)) with the fold applied, each tensor then given to
+    `cast` (the export's cast to the rollout's dtype, `qurl_mcore.megatron.convert.export_cast`; None: each
+    keeps its own dtype)."""
     for bucket in buckets:
         out = []
         for name, tensor in bucket:
             folded = smooth_tensor(name, tensor, scales, table)
-            out.append((name, folded.to(dtype or tensor.dtype)))
+            out.append((name, folded.to(tensor.dtype) if cast is None else cast(name, folded)))
         yield out
 
 

@@ -51,7 +51,8 @@ def scale_per_head(t: torch.Tensor, role: str, part_rows: tuple[int, ...], s: fl
     parts = PER_HEAD_ROLES[role]
     if len(part_rows) != len(parts) or t.shape[0] % sum(part_rows):
         raise ValueError(f"role {role!r}: {t.shape[0]} rows are not heads of parts {part_rows} ({parts})")
-    factor = torch.cat([torch.full((n,), float(s ** UAQ_EXPONENTS[r])) for n, r in zip(part_rows, parts)])
+    factor = torch.cat([torch.full((n,), float(s ** UAQ_EXPONENTS[r]), device=t.device)
+                        for n, r in zip(part_rows, parts)])
     per_head = t.float().reshape(-1, sum(part_rows), *t.shape[1:])
     return (per_head * factor.view(1, -1, *[1] * (t.dim() - 1))).reshape(t.shape).to(t.dtype)
 

@@ -13,9 +13,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_rollout_kernels_run_and_print_every_case():
+    """Every case prints; the FP4 MoE kernels (under Triton's interpreter) agree with the emulation within the
+    fp32 bound (docs/rollout.md) at every model shape, and both BF16 baselines with bf16 torch ops."""
     out = subprocess.run([sys.executable, "benchmarks/rollout_kernels.py", "--device", "cpu", "--quick"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    fp4 = re.findall(r"^  (Qwen3-30B-A3B|GLM-4.5) +(qurl_fp4_rc/(?:nv|mx)fp4) +M=1 +error ([0-9.e+-]+)$", out.stdout, re.M)
+    assert len(fp4) == 2 * 2 and all(float(error) < 1e-4 for *_, error in fp4), out.stdout
+    baselines = re.search(r"bf16 baselines' error vs torch: sglang ([0-9.e+-]+), grouped_mm ([0-9.e+-]+)$", out.stdout,
+                          re.M)
+    assert baselines and all(float(e) < 2e-2 for e in baselines.groups()), out.stdout
     decode = re.findall(r"^  (int8|fp8_e4m3) +M=(\d+) +\[(\d+), (\d+)\]  x[0-9.]+$", out.stdout, re.M)
     assert len(decode) == 2 * 3 * 2  # formats x batches x shapes
     ratios = ", ".join(rf"{fmt} {requant} x[0-9.]+" for fmt in ("int8", "fp8_e4m3", "nvfp4")
@@ -40,6 +47,33 @@ def _device_check():
     import device_check
 
     return device_check
+
+
+#: run in a child process: pytest collecting the device check's GPU tests with the packages the GPU machine
+#: lacks made unimportable, as there (an import of any of them raises ModuleNotFoundError)
+_COLLECT_WITHOUT = """
+import importlib.abc, sys
+ABSENT = ("sglang", "sgl_kernel", "flashinfer", "ray", "transformer_engine")
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ABSENT:
+            raise ModuleNotFoundError(f"No module named {name!r} (absent on the GPU machine)", name=name)
+sys.meta_path.insert(0, Absent())
+import pytest
+sys.exit(pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.slow  # collecting imports Megatron and transformers: ~40 s on 2 busy cores
+def test_every_gpu_test_of_the_device_check_collects_without_sglang_ray_or_te():
+    """The GPU machine has no SGLang, Ray or Transformer Engine: a listed file that imports one at module level
+    would make the gpu-tests section collect nothing. Each listed file must collect, with at least one test."""
+    dc = _device_check()
+    out = subprocess.run([sys.executable, "-c", _COLLECT_WITHOUT, *dc.GPU_TESTS], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    collected = {line.split("::")[0] for line in out.stdout.splitlines() if "::" in line}
+    assert collected == set(dc.GPU_TESTS), out.stdout[-3000:]
 
 
 def test_device_check_dry_run_reports_every_section_within_its_budget():

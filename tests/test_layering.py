@@ -16,6 +16,7 @@ DOC = Path(__file__).parents[1] / "docs" / "architecture.md"
 #: of its top-level modules; imports within a part are free.
 ALLOWED: dict[str, tuple[str, frozenset[str]]] = {name: (what, frozenset(deps)) for name, what, deps in (
     ("quant", "numerics shared by trainer and engine (pure torch)", ()),
+    ("kernels", "Triton kernels of the quantized numerics (the fused FP4 MoE and linear GEMMs)", ("quant",)),
     ("rl", "policy losses, advantages, mismatch metrics (pure torch)", ()),
     ("tasks", "prompt sets and rewards (pure Python)", ()),
     ("models", "architecture tables, packaged and tiny models, architecture cards", ()),
@@ -33,14 +34,16 @@ ALLOWED: dict[str, tuple[str, frozenset[str]]] = {name: (what, frozenset(deps)) 
      ("models",)),
     ("precision", "the precision table", ("quant", "models")),
     ("recipe", "a precision, scope and format resolved once into both sides' specs", ("quant", "models", "precision")),
+    ("stack", "the Megatron fusions and experts module the installed stack runs", ("recipe",)),
     ("config", "the training YAML schema", ("precision", "rl", "tasks", "recipe")),
-    ("sglang", "the SGLang quantization plugin", ("quant", "precision", "models", "transfer", "recipe")),
+    ("sglang", "the SGLang quantization plugin", ("quant", "kernels", "precision", "models", "transfer",
+                                                   "recipe")),
     ("rollout", "the SGLang engine client", ("sglang", "transfer", "parent_death")),
     ("megatron", "Megatron-Core models, weights, training stack", ("quant", "rl", "models", "precision", "uaq",
-                                                                  "transfer", "recipe")),
+                                                                  "transfer", "recipe", "stack")),
     ("sizing", "`qurl plan`", ("config", "placement", "precision", "models", "quant")),
     ("preflight", "`qurl train --check`", ("config", "heldout", "placement", "precision", "models", "sizing",
-                                           "sglang", "smoothing", "tasks")),
+                                           "sglang", "smoothing", "tasks", "stack")),
     ("loop", "the RL loop: trainer, engines, driver, evaluation", (
         "checkpoint", "config", "heldout", "megatron", "models", "parent_death", "placement", "precision", "preflight",
         "provenance", "recipe", "rl", "rollout", "runlock", "sglang", "smoothing", "tasks", "transfer", "uaq")),

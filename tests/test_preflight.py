@@ -108,9 +108,118 @@ def test_prompt_rows_are_checked(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n" + json.dumps({"q": "2+2"}) + "\n")
     text = _problems(tmp_path, "data.task=file", f"data.path={data}")
-    assert f"data.path: {data}:2 has no ['question', 'answer']" in text
+    assert f"data.path: {data}:2 has no 'question' (the row has ['q']), no 'answer' (the row has ['q'])" in text
     data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
     assert _problems(tmp_path, "data.task=file", f"data.path={data}").startswith("  model")
+
+
+def _verl_jsonl(path):
+    """The demo's additions in verl's layout (examples/data_preprocess): chat prompts, the answer in
+    reward_model.ground_truth, beside columns the run does not read."""
+    rows = [{"data_source": "additions", "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+             "extra_info": {"index": 9 * a + b}} for a in range(1, 10) for b in range(1, 10)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("keys,refusal", [
+    (["data.answer_key=reward_model.ground_truth"], None),
+    (["data.answer_key=reward_model"], None),  # its ground_truth, not the object's text
+    (["data.answer_key=data_source"], "data.reward: first_number pays nothing for a reply that states the answer, on "
+                                      "each of the first 8 rows (the first answer: 'additions')"),
+    (["data.answer_key=reward_model.ground_truth", "data.reward=math"], None),
+    (["data.answer_key=ability", "data.reward=math"], "data.reward: math pays nothing"),
+    (["data.answer_key=extra_info"], "the answer ('extra_info') is {\"index\": 10}, not a string or a number"),
+])
+def test_the_demo_on_verl_data_is_ready_with_its_keys_and_refused_with_the_wrong_ones(tmp_path, capsys, keys,
+                                                                                      refusal):
+    """`qurl train --config launch/configs/cpu_demo.yaml data.task=file data.path=VERL_JSONL`: with the answer's
+    key the check passes; with a key whose values no reply could match, every reward would be 0 all run, and
+    the check refuses, saying so."""
+    data = _verl_jsonl(tmp_path / "verl.jsonl")
+    code = main(["train", "--check", "--config", "launch/configs/cpu_demo.yaml", "data.task=file",
+                 f"data.path={data}", "data.prompt_key=prompt", *keys, "eval.every=0",
+                 f"checkpoint.dir={tmp_path}/c", f"logging.dir={tmp_path}/l"])
+    out = capsys.readouterr()
+    if refusal is None:
+        assert code == 0 and "data        81 prompts" in out.out, out.err
+    else:
+        assert code == 2 and refusal in out.err
+
+
+def test_a_users_reward_that_pays_no_stated_answer_gets_a_note(tmp_path):
+    """A user's reward may read replies of a form the check does not know: noted, not refused."""
+    data = _verl_jsonl(tmp_path / "verl.jsonl")
+    text = _problems(tmp_path, "data.task=file", f"data.path={data}", "data.prompt_key=prompt",
+                     "data.answer_key=data_source", "data.reward=tests.tasks.user_rewards:numeric")
+    assert text.startswith("  model") and ("note        data.reward: tests.tasks.user_rewards:numeric pays nothing "
+                                           "for a reply that states the answer") in text
+    assert "raising ValueError: could not convert string to float: 'additions'" in text
+
+
+def test_a_directory_given_as_data_path_is_named_a_directory(tmp_path):
+    _verl_jsonl(tmp_path / "train.jsonl")
+    assert (f"data.path: {tmp_path} is a directory; give one .jsonl or .parquet file (it holds train.jsonl)"
+            in _problems(tmp_path, "data.task=file", f"data.path={tmp_path}"))
+
+
+def test_a_wandb_project_needs_wandb_importable(tmp_path, monkeypatch):
+    """wandb is an extra (requirements/wandb.txt), not in the CPU set: a project without it would fail at the
+    run's first log, so the check refuses it; with wandb on the path it passes."""
+    import importlib.util
+
+    project = ["logging.wandb_project=demo"]
+    if importlib.util.find_spec("wandb") is None:
+        assert ("logging.wandb_project: 'demo' logs to Weights & Biases, but wandb is not installed here; pip "
+                "install -r requirements/wandb.txt") in _problems(tmp_path, *project)
+    package = tmp_path / "site" / "wandb"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert "logging.wandb_project" not in _problems(tmp_path, *project)
+    assert "logging.wandb_project" not in _problems(tmp_path)  # no project, nothing asked of wandb
+
+
+def test_the_wandb_extra_installs_the_requirements_file_and_the_cpu_set_does_not(monkeypatch):
+    import runpy
+    from pathlib import Path
+
+    import setuptools
+
+    root = Path(__file__).parent.parent
+    given = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: given.update(kw))
+    runpy.run_path(str(root / "setup.py"))
+    pins = [line for line in (root / "requirements" / "wandb.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert given["extras_require"]["wandb"] == pins and pins[0].startswith("wandb")
+    assert "wandb" not in (root / "requirements" / "cpu.txt").read_text()
+
+
+def test_directories_another_run_holds_are_refused_naming_the_run(tmp_path):
+    """A run's lock (qurl_mcore/runlock.py) on its checkpoint.dir: the check names the holder, as the run would
+    at its start, and takes nothing itself; once the run ends the directory is ready again."""
+    from qurl_mcore.runlock import lock_dirs
+
+    with lock_dirs(tmp_path / "ckpt", command="qurl train --config first.yaml"):
+        text = _problems(tmp_path)
+        assert (f"checkpoint.dir: {(tmp_path / 'ckpt').resolve()} is in use by another run: pid {os.getpid()} on "
+                in text and "(qurl train --config first.yaml)" in text)
+        assert "logging.dir:" not in text
+    assert "checkpoint.dir:" not in _problems(tmp_path)
+
+
+def test_a_cpu_step_is_estimated_and_a_huge_one_warned_of(tmp_path):
+    """On CPUs the check scales the demo's step time by parameters x samples x new tokens: the demo's own
+    config gets the demo's 18 s, a 131k-sample step hours, with a warning and the levers."""
+    demo = ["data.prompts_per_step=8", "rollout.samples_per_prompt=6", "rollout.max_new_tokens=6"]
+    assert "cpu step    ~18 s a step: 48 samples" in _problems(tmp_path, "model.path=smollm2", *demo, use_gpu=False)
+    huge = _problems(tmp_path, "model.path=smollm2", "data.prompts_per_step=2048", "rollout.samples_per_prompt=64",
+                     "rollout.max_new_tokens=6", use_gpu=False)
+    assert "cpu step    ~13.7 h a step: 131072 samples of up to 6 new tokens" in huge
+    assert "warning     a step of 131072 samples takes hours on CPUs: lower data.prompts_per_step" in huge
+    assert "cpu step" not in _problems(tmp_path, *demo, use_gpu=True)  # GPUs: the memory plan instead
 
 
 def test_placements_that_cannot_fit(tmp_path):

@@ -13,7 +13,7 @@ STUDIES = Path(__file__).resolve().parents[1] / "launch" / "configs" / "studies"
 # each study: the directory of its variant files and the base its docs/studies.md command layers them on
 RUNS = [("objectives", "objectives/base.yaml"), ("uaq", "uaq/base.yaml"), ("moe", "moe/base.yaml"),
         ("smoothing", "objectives/base.yaml"), ("moe", "moe_upcycled/base.yaml"),
-        ("long", "objectives/base.yaml")]
+        ("long", "objectives/base.yaml"), ("clip", "clip/base.yaml"), ("moe_discriminators", "moe_upcycled/base.yaml")]
 CASES = [(variant, base) for folder, base in RUNS
          for variant in sorted(p.relative_to(STUDIES).as_posix() for p in (STUDIES / folder).glob("*.yaml"))
          if not variant.endswith("/base.yaml")]

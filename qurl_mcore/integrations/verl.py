@@ -74,7 +74,7 @@ def verl_policy_loss(
     dp_size, total = info.get("dp_size") or 1, info.get(total_key)
     if total is None and dp_size > 1:
         raise ValueError(f"global_batch_info has no {total_key!r} with dp_size={dp_size}; verl's trainer sets it")
-    scale = 1.0 if total is None else aggregation_units(mask, agg) * dp_size / float(total)
+    scale = 1.0 if total is None else int(aggregation_units(mask, agg)) * dp_size / float(total)
     return loss * scale, {f"actor/{name}": value for name, value in metrics.items()}
 
 

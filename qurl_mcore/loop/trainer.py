@@ -222,18 +222,19 @@ class PolicyTrainer:
                                                   return_entropy=t.entropy_coef > 0)
             proximal = lp.detach() if prox is None else prox.to(lp.device)
             reference = None if ref is None else ref.to(lp.device)
+            # everything stays on the device: the step reads the metrics back once (_reduce_metrics)
             units = aggregation_units(mb.response_mask, t.agg)
-            units_t = torch.tensor(units, dtype=torch.int, device=lp.device)
-            if not all(bool(torch.isfinite(x[mb.response_mask]).all())
-                       for x in (lp, mb.behav_logprobs) + (() if reference is None else (reference,))):
-                # e.g. an engine's -inf behaviour log-prob: NaN gradients reach every rank through the
-                # reductions, so every rank skips this update
-                return (lp * mb.response_mask).sum() * math.nan, units_t, {"units": float(units), "nonfinite": 1.0}
+            nonfinite = torch.stack([(mb.response_mask & ~torch.isfinite(x)).any() for x in
+                                     (lp, mb.behav_logprobs) + (() if reference is None else (reference,))]).any()
             loss, metrics = policy_loss(
                 lp, proximal, mb.behav_logprobs, mb.advantages, mb.response_mask, method=t.loss, eps_low=t.eps_low,
                 eps_high=t.eps_high, tis_cap=t.tis_cap, agg=t.agg, ref_logprobs=reference, kl_coef=t.kl_coef,
-                kl_estimator=t.kl_estimator, entropy=entropy, entropy_coef=t.entropy_coef)
-            return loss * units, units_t, {**metrics, "units": float(units), "nonfinite": 0.0}
+                kl_estimator=t.kl_estimator, entropy=entropy, entropy_coef=t.entropy_coef, on_device=True)
+            # e.g. an engine's -inf behaviour log-prob: NaN gradients reach every rank through the reductions, so
+            # every rank skips this update; a micro-batch without response tokens (a DP rank short of rows)
+            # adds nothing
+            loss = torch.where(units > 0, loss, 0) * torch.where(nonfinite, math.nan, 1.0)
+            return loss * units, units, {**metrics, "units": units, "nonfinite": nonfinite}
 
         return logits, loss_func
 
@@ -250,7 +251,7 @@ class PolicyTrainer:
         full = self._pad_width(batch)
         local = self._local_rows(full)
         replay = t.routing_replay == "r3"
-        self.agreement = torch.zeros(self.hf.num_hidden_layers, 3, dtype=torch.float64) if (
+        self.agreement = torch.zeros(self.hf.num_hidden_layers, 3, dtype=torch.float64, device=self.device) if (
             self.moe and full.routed_experts is not None) else None  # alike on every rank: reduced together
         ref = self._forward_only(self.ref, local) if self.ref is not None else None
         self.measuring = self.agreement is not None
@@ -297,9 +298,8 @@ class PolicyTrainer:
         ranks' sums; replicas count alike, so the shares are exact), and per layer (`.../layer<n>`)."""
         sums, self.agreement = self.agreement, None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            sums = sums.to(self.device)  # NCCL reduces device tensors only
             dist.all_reduce(sums)
-            sums = sums.cpu()
+        sums = sums.cpu()  # the step's one read-back of them
         layers = sums[:, 0] > 0
         if not layers.any():
             return {}
@@ -323,25 +323,26 @@ class PolicyTrainer:
     def _reduce_metrics(self, records: list[dict]) -> dict[str, float]:
         """Unit-weighted means of the micro-batches' metrics over this rank and every DP rank ("/max": the
         maximum)."""
-        keys = sorted({k for r in records for k in r if k != "units"})
-        sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
-        highest = torch.full((len(keys),), -math.inf, dtype=torch.float64)
-        for r in records:
-            w = r["units"]
-            sums[-1] += w
-            for i, k in enumerate(keys):
-                if k.endswith("/max"):
-                    highest[i] = max(highest[i], r.get(k, -math.inf))
-                else:
-                    sums[i] += w * r.get(k, 0.0)
-        if self.dp_size > 1:  # NCCL reduces device tensors only
-            group = self.ps.get_data_parallel_group()
-            sums, highest = sums.to(self.device), highest.to(self.device)
-            dist.all_reduce(sums, group=group)
-            dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
-            sums, highest = sums.cpu(), highest.cpu()
-        total = float(sums[-1]) or 1.0
-        metrics = {k: float(highest[i]) if k.endswith("/max") else float(sums[i]) / total for i, k in enumerate(keys)}
+        metrics: dict[str, float] = {}
+        if records:  # the last pipeline stage's: device tensors, added on the device and read back once
+            keys = sorted(k for k in records[0] if k not in ("units", "nonfinite"))
+            values = torch.stack([torch.stack([r[k] for k in keys]) for r in records]).to(torch.float64)
+            units = torch.stack([r["units"] for r in records]).to(torch.float64)
+            bad = torch.stack([r["nonfinite"] for r in records])
+            # a micro-batch with non-finite inputs, or none to score, counts 0 in every metric (nothing in a max)
+            ok = (~bad & (units > 0))[:, None]
+            sums = torch.cat([(units[:, None] * torch.where(ok, values, 0)).sum(0), (units * bad).sum().reshape(1),
+                              units.sum().reshape(1)])
+            highest = torch.where(ok, values, -math.inf).amax(0)
+            if self.dp_size > 1:
+                group = self.ps.get_data_parallel_group()
+                dist.all_reduce(sums, group=group)
+                dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+            read = torch.cat([sums, highest]).tolist()
+            n = len(keys)
+            total = read[n + 1] or 1.0
+            metrics = {k: read[n + 2 + i] if k.endswith("/max") else read[i] / total for i, k in enumerate(keys)}
+            metrics["nonfinite"] = read[n] / total
         pp = self.ps.get_pipeline_model_parallel_group()
         if pp.size() > 1:  # only the last stage computed losses: every rank reports (and skips) alike
             box = [metrics]
@@ -411,7 +412,7 @@ class PolicyTrainer:
         fp32 before the cast); each bucket is gathered just before it goes out. Drained on exit, also after a
         failure: the export gathers shards from every rank (collective)."""
         # Megatron-Core stays out of the driver, which imports this module (actors.py)
-        from qurl_mcore.megatron import export_hf_weights
+        from qurl_mcore.megatron.convert import export_cast, export_hf_weights
 
         r = self.cfg.rollout
         dtype = getattr(torch, r.dtype)
@@ -419,7 +420,8 @@ class PolicyTrainer:
         scales = self._smoothing() if smoothed else None
         raw = export_hf_weights(self.model, self.hf, bucket_bytes=r.push_bucket_mb << 20,
                                 dtype=None if smoothed else dtype)
-        stream = smooth_buckets(raw, scales, fold_table(self.hf, self.recipe.engine.groups), dtype) if smoothed else raw
+        stream = smooth_buckets(raw, scales, fold_table(self.hf, self.recipe.engine.groups),
+                                export_cast(self.hf, dtype)) if smoothed else raw
         try:
             yield stream
         finally:

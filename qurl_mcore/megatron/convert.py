@@ -13,7 +13,7 @@ SGLang's weight update takes, optionally UAQ-scaled on the way out.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,13 +193,40 @@ def _read_local(ckpt: _Checkpoint, layout: str, names: list[str], hf, rank: int,
     return _interleave(q, k, v, last - first, d)
 
 
+#: an HF tensor of a decoder layer: its layer index
+_HF_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+#: the suffix of the block scales of an FP8 checkpoint's weights (DeepSeek-V3's published one: one fp32 scale per
+#: 128x128 block, w = fp8 · scale_inv)
+FP8_SCALE_SUFFIX = "weight_scale_inv"
+
+
+def _refused_tensors(names: list[str], hf) -> str | None:
+    """Why a checkpoint with tensors `names` cannot load, whatever the parallel layout (every rank asks the same
+    question, so every rank refuses), or None."""
+    scaled = sorted(n for n in names if n.endswith(FP8_SCALE_SUFFIX))
+    if scaled:
+        return (f"an FP8 checkpoint ({len(scaled)} block scales {FP8_SCALE_SUFFIX}, e.g. {scaled[0]}): qurl-mcore "
+                "trains and serves BF16 checkpoints; convert it to BF16 first (w = fp8 · scale_inv on each "
+                "128x128 block, as DeepSeek-V3's inference/fp8_cast_bf16.py does) and give that directory")
+    beyond = sorted(n for n in names if (m := _HF_LAYER.search(n)) and int(m[1]) >= hf.num_hidden_layers)
+    if beyond:
+        return (f"{len(beyond)} tensors of layers beyond num_hidden_layers={hf.num_hidden_layers} (e.g. "
+                f"{beyond[0]}): a multi-token-prediction (MTP) module, which qurl-mcore neither trains nor "
+                "serves; write the checkpoint without those layers")
+    return None
+
+
 def load_hf_weights(model, hf_dir: str | Path) -> None:
     """Copy the HF checkpoint in directory `hf_dir` into this rank's shards of `model`, cast to the
     parameters' dtype, reading only the tensors and slices this rank owns. Raises if a parameter has no
     source or an HF tensor is unused (a tied checkpoint may carry a redundant output layer: the HF tensors of
-    the table's untied-only slots)."""
+    the table's untied-only slots); on every rank, whatever the layout, for an FP8 checkpoint and for tensors
+    of layers the config does not have (MTP)."""
     hf = load_hf_config(hf_dir)
     ckpt = _Checkpoint(hf_dir)
+    refused = _refused_tensors(list(ckpt.where), hf)
+    if refused:
+        raise ValueError(f"{hf_dir}: {refused}")
     where = _placement(model)
     rules = [(r, pattern(r.megatron)) for r in slots(hf)]
     used: set[str] = set()
@@ -303,11 +330,25 @@ def export_hf_weights(
     the same buckets. `dtype` casts (e.g. torch.bfloat16 for SGLang); `uaq_scale` applies UAQ with that s
     to the exported tensors (for a model not UAQ-scaled in place)."""
     hf = load_hf_config(hf_config)
+    cast = export_cast(hf, dtype)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in _iter_hf_tensors(model, hf):
             if uaq_scale is not None:
                 tensor = uaq_scale_hf(name, tensor, uaq_scale, hf)
-            yield name, tensor if dtype is None else tensor.to(dtype)
+            yield name, cast(name, tensor)
 
     yield from buckets(tensors(), bucket_bytes)
+
+
+def export_cast(hf_config, dtype: torch.dtype | None) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """(HF name, tensor) -> the tensor in `dtype` (None: its own), except the table's fp32 tensors (`Slot.fp32`,
+    the router's expert bias), which stay fp32: Megatron and SGLang both route with an fp32 bias."""
+    fp32 = [pattern(t) for s in slots(hf_config) if s.fp32 for t in s.hf]
+
+    def cast(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if any(p.match(name) for p in fp32):
+            return tensor.float()
+        return tensor if dtype is None else tensor.to(dtype)
+
+    return cast

@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from qurl_mcore.models.registry import architecture, features
 from qurl_mcore.models.slots import Shape
 from qurl_mcore.recipe import Recipe
+from qurl_mcore.stack import Stack, fusions
 
 from .spec import as_recipe, gpt_spec
 
@@ -84,8 +85,9 @@ def rope_scaling(hf_config) -> dict[str, Any]:
 
 
 def gpt_config(hf_config, **overrides: Any):
-    """The Megatron TransformerConfig of an HF config (fp32 parameters, no dropout, no fusions: the settings
-    under which Megatron and HF logits agree to fp32 rounding). `overrides` replace any field."""
+    """The Megatron TransformerConfig of an HF config (fp32 parameters, no dropout: the settings under which
+    Megatron and HF logits agree to fp32 rounding; each fusion on where the installed stack has its kernel,
+    `qurl_mcore.stack.fusions`, none on the CPU). `overrides` replace any field."""
     hf = load_hf_config(hf_config)
     tp = ps.get_tensor_model_parallel_world_size()
     arch = architecture(hf)
@@ -123,12 +125,7 @@ def gpt_config(hf_config, **overrides: Any):
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         sequence_parallel=tp > 1,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
+        **{name: on for name, (on, _) in fusions(Stack.installed()).items()},
     )
     if arch.moe:
         shape = Shape.of(c, have)
@@ -218,13 +215,14 @@ RECOMPUTE: dict[str, dict[str, Any]] = {
 
 def build_gpt(
     hf_config, *, recipe: Recipe | None = None, dtype: torch.dtype = torch.float32, recompute: str = "none",
-    core_attention: str | None = None, **overrides: Any
+    core_attention: str | None = None, experts: str | None = None, **overrides: Any
 ):
     """A randomly initialised GPTModel shaped like `hf_config` (object or checkpoint dir), its linears
     following the trainer side of `recipe` (`qurl_mcore.recipe.resolve`; None: full precision; see
     `gpt_spec`), its parameters `dtype` on the current device (the CUDA device when there is one), recomputing
     activations as `recompute` says (`RECOMPUTE`), with the core attention `core_attention`
-    (`spec.CORE_ATTENTION`; by default SDPA on CUDA, Megatron's local one on the CPU). Load weights with
+    (`spec.CORE_ATTENTION`; by default SDPA on CUDA, Megatron's local one on the CPU), the routed experts as
+    `experts` (`spec.EXPERT_MODULES`; by default `qurl_mcore.stack.experts`'s choice). Load weights with
     `convert.load_hf_weights`. FP8 training on Transformer Engine (`Recipe.te`) gets Megatron's fp8 settings."""
     recipe = as_recipe(recipe)
     hf = load_hf_config(hf_config)
@@ -237,7 +235,7 @@ def build_gpt(
     config = gpt_config(hf, **overrides)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_spec(config, recipe, core_attention=core_attention),
+        transformer_layer_spec=gpt_spec(config, recipe, core_attention=core_attention, experts=experts),
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,

@@ -2,11 +2,12 @@
 `spawn` to run a function on N local ranks and collect what each returns (tests, benchmarks, one-node runs)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -97,18 +98,37 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ for the duration (processes started inside inherit them), then as before."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
+          cpu: bool = False) -> list[Any]:
     """Run `fn(rank, *args)` on `world_size` fresh local processes and return their results in rank order.
 
     `fn` must be importable (a module-level function) and its results picklable; it typically calls
     `init_parallel(...)` first. A failure in any rank raises RuntimeError carrying that rank's traceback.
+    `cpu`: the processes see no GPU (CUDA_VISIBLE_DEVICES empty from their start, before CUDA can
+    initialise), so they run on the CPU with gloo however many ranks and GPUs there are.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _environment({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}):
+        for p in procs:
+            p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
     deadline = time.monotonic() + timeout

@@ -87,14 +87,16 @@ class RoutingTaps:
     def agreement(self, experts: Tensor, mask: Tensor, num_layers: int) -> Tensor:
         """Own routing of the last forward vs `experts` [b, s, layers, k] over the tokens in `mask` [b, s]:
         float64 [num_layers, 3], per global layer (tokens, tokens with the same top-k set, Σ |own ∩ rollout| / k);
-        zeros for layers not on this rank. Sums, so that micro-batches and ranks add up."""
-        out = torch.zeros(num_layers, 3, dtype=torch.float64)
+        zeros for layers not on this rank. Sums, so that micro-batches and ranks add up; on the routers' device,
+        with nothing read back to the host."""
+        out = torch.zeros(num_layers, 3, dtype=torch.float64, device=mask.device)
         keep = self._local(mask)
         for layer, tap in self.taps.items():
-            if tap.own is None or not keep.any():
+            if tap.own is None:
                 continue
             rollout = self._local(experts[:, :, layer - 1]).to(tap.own.device).long()
             here = keep.to(tap.own.device)
-            same, overlap = topk_agreement_sums(tap.own[here][:, None], rollout[here][:, None])
-            out[layer - 1] = torch.tensor([float(keep.sum()), float(same), float(overlap)], dtype=torch.float64)
+            same, overlap = topk_agreement_sums(tap.own[:, None], rollout[:, None], here)
+            out = out.to(tap.own.device)
+            out[layer - 1] = torch.cat([here.sum().double().reshape(1), same, overlap])
         return out

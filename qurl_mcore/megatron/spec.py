@@ -3,8 +3,9 @@ local spec (`get_gpt_layer_local_spec`) by swapping only the linears of the grou
 (`Recipe.train_groups`). Which Megatron parameter belongs to which linear group is its slot's `group` in the
 architecture table (`qurl_mcore.models`); the spec swaps, per group, the Megatron submodules below:
 
-  attention       self_attention's linear_qkv (column) and linear_proj (row); under MLA linear_q_up_proj and
-                  linear_kv_up_proj (column) and linear_proj (row), its down projections never (`latent`)
+  attention       self_attention's linear_qkv (column) and linear_proj (row); under MLA linear_q_up_proj
+                  (column) and linear_proj (row), its latent projections never (`latent`: the down
+                  projections and linear_kv_up_proj)
   mlp, experts,   the MLP's linear_fc1 (column) and linear_fc2 (row): the dense MLP, every routed expert's,
   shared_experts  the shared experts'
 Routers, norms, embeddings and the output layer are never quantized (GPTModel builds the last two itself).
@@ -12,12 +13,16 @@ A precision that trains in full precision (bf16, and QuRL's int8/fp8) keeps ever
 
 The core attention is one of `CORE_ATTENTION`: torch's fused SDPA (attention.py; the default on CUDA, and
 what `qurl plan` sizes) or Megatron's unfused local one (the default on the CPU, bitwise the stock spec).
+The routed experts are one of `EXPERT_MODULES`: grouped GEMMs over the same parameters (grouped_experts.py;
+the default) or Megatron's SequentialMLP, one expert after another (`qurl_mcore.stack.experts` says which and
+why).
 """
 from __future__ import annotations
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     LayerNormImpl, TransformerBlockSubmodules, get_num_layers_to_build,
@@ -27,8 +32,10 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from qurl_mcore.models.registry import megatron_slot
 from qurl_mcore.recipe import Recipe, resolve, te_fp8_available
+from qurl_mcore.stack import experts as default_experts
 
 from .attention import SDPAttention
+from .grouped_experts import GroupedExperts
 from .layers import QuantColumnParallelLinear, QuantRowParallelLinear, SequenceParallelNorm
 
 
@@ -76,6 +83,10 @@ def _latent(core: type) -> type:
 MLA_CORE_ATTENTION: dict[str, type] = {"local": _latent(DotProductAttention), "sdpa": _latent(SDPAttention)}
 
 
+#: `stack.EXPERTS` name -> the module of an MoE layer's routed experts (both build SequentialMLP's parameters)
+EXPERT_MODULES: dict[str, type] = {"grouped": GroupedExperts, "sequential": SequentialMLP}
+
+
 def default_attention() -> str:
     return "sdpa" if torch.cuda.is_available() else "local"
 
@@ -105,22 +116,27 @@ def _check_config(config: TransformerConfig, recipe: Recipe) -> None:
         raise ValueError(f"precision {recipe.precision.name!r} on Transformer Engine needs config.fp8='e4m3' and "
                          "config.fp8_recipe='tensorwise' so that Megatron enters fp8_autocast")
     if config.num_moe_experts and config.moe_grouped_gemm:
-        raise ValueError("gpt_spec builds SequentialMLP experts; set moe_grouped_gemm=False")
+        raise ValueError("gpt_spec picks the experts module itself (gpt_spec(experts=...)); moe_grouped_gemm "
+                         "selects Megatron's own, whose parameters the HF conversion does not map: set it False")
 
 
 def gpt_spec(config: TransformerConfig, recipe: Recipe | None = None,
-             core_attention: str | None = None) -> TransformerBlockSubmodules:
+             core_attention: str | None = None, experts: str | None = None) -> TransformerBlockSubmodules:
     """The GPT block spec for `config` with the trainer side of `recipe` (None: full precision) applied to the
     linears of its `train_groups`. Pass the result as `GPTModel(transformer_layer_spec=...)`. A
-    full-precision trainer gets Megatron's local spec unchanged (apart from the norm under sequence
-    parallelism, which the stock torch norm refuses). `core_attention`: a key of `CORE_ATTENTION`, by
-    default `default_attention()`."""
+    full-precision trainer gets Megatron's local spec (apart from the norm under sequence parallelism, which
+    the stock torch norm refuses, and the experts module). `core_attention`: a key of `CORE_ATTENTION`, by
+    default `default_attention()`; `experts`: a key of `EXPERT_MODULES`, by default `stack.experts(recipe)`'s."""
     recipe = as_recipe(recipe)
     _check_config(config, recipe)
     core_attention = core_attention or default_attention()
     if core_attention not in CORE_ATTENTION:
         raise ValueError(f"core_attention {core_attention!r} is not one of {list(CORE_ATTENTION)}")
-    moe = _layer(config, recipe, core_attention, config.num_moe_experts) if config.num_moe_experts else None
+    experts = experts or default_experts(recipe)[0]
+    if experts not in EXPERT_MODULES:
+        raise ValueError(f"experts {experts!r} is not one of {list(EXPERT_MODULES)}")
+    moe = _layer(config, recipe, core_attention, config.num_moe_experts, EXPERT_MODULES[experts]) \
+        if config.num_moe_experts else None
     dense = _layer(config, recipe, core_attention, None)
     pattern = _moe_pattern(config)
     offset = get_transformer_layer_offset(config)
@@ -138,16 +154,19 @@ def _moe_pattern(config: TransformerConfig) -> list[int]:
     return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
 
 
-def _layer(config: TransformerConfig, recipe: Recipe, core_attention: str, num_experts: int | None) -> ModuleSpec:
-    """One layer's spec: Megatron's local spec (with MLA where the config has it; an MoE MLP for `num_experts`),
-    the stock torch norms swapped for sequence-parallel ones under SP, the linears of the recipe's train groups
-    swapped for quantized ones."""
+def _layer(config: TransformerConfig, recipe: Recipe, core_attention: str, num_experts: int | None,
+           experts: type = SequentialMLP) -> ModuleSpec:
+    """One layer's spec: Megatron's local spec (with MLA where the config has it; an MoE MLP for `num_experts`
+    with `experts` as its routed experts), the stock torch norms swapped for sequence-parallel ones under SP, the
+    linears of the recipe's train groups swapped for quantized ones."""
     mla = bool(config.multi_latent_attention)
     layer = get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
         multi_latent_attention=mla, normalization=config.normalization,
     )
     sub = layer.submodules
+    if num_experts:
+        sub.mlp.submodules.experts.module = experts
     attention = sub.self_attention.submodules
     if mla:
         attention.core_attention = MLA_CORE_ATTENTION[core_attention]
@@ -171,9 +190,8 @@ def _layer(config: TransformerConfig, recipe: Recipe, core_attention: str, num_e
             if group not in recipe.train_groups:
                 continue
             for s in subs:
-                if group == "attention" and mla:  # the down projections are group "latent": never quantized
-                    s.linear_q_up_proj = s.linear_kv_up_proj = column
-                    s.linear_proj = row
+                if group == "attention" and mla:  # the latent projections (group "latent") never
+                    s.linear_q_up_proj, s.linear_proj = column, row
                 elif group == "attention":
                     s.linear_qkv, s.linear_proj = column, row
                 else:

@@ -12,9 +12,12 @@ checkpoints), which Megatron's MLA reads the same way. Megatron's names: linear_
 linear_q_up_proj, linear_kv_down_proj, kv_layernorm, linear_kv_up_proj, linear_proj. An engine caches per token
 and layer only c and kr (`Shape.kv_bytes_per_token`).
 
-Which projections a scope quantizes: q_b_proj, kv_b_proj and o_proj are `attention` (scope "all"); the down
-projections q_a_proj and kv_a_proj_with_mqa (1.5% of DeepSeek-V3's weights) are `latent`, full precision on both
-sides under every scope: Megatron-Core 0.16.1's MLA accepts only its stock linear classes for them. Under scope
+Which projections a scope quantizes: q_b_proj and o_proj are `attention` (scope "all"); the down projections
+q_a_proj and kv_a_proj_with_mqa (1.5% of DeepSeek-V3's weights) and the up projection of the kv latent, kv_b_proj,
+are `latent`, full precision on both sides under every scope. The down projections because Megatron-Core
+0.16.1's MLA accepts only its stock linear classes for them; kv_b_proj because SGLang decodes with the absorbed
+form, W_uk and W_uv (its `w_kc`, `w_vc`) rebuilt in bf16 from the full-precision kv_b_proj after every load and
+push, so a quantized kv_b_proj would reach the prefill's tokens and never a generated one. Under scope
 "experts" the first layers' dense MLPs are quantized with the routed experts (`mlp`, as a dense model's MLP is),
 the shared experts are not (they run for every token: `qurl_mcore.precision`).
 
@@ -30,7 +33,7 @@ not loaded (the converter refuses them: drop `model.layers.61.*` and set num_nex
 
 UAQ on MLA (`qurl_mcore.uaq`): input_layernorm·s with q_a_proj/s and kv_a_proj_with_mqa/s, kv_a_layernorm·s with
 kv_b_proj's k_nope rows /s and its v rows unchanged (so v·s), and o_proj/s against v·s: of the quantized
-projections, kv_b_proj's k_nope rows and o_proj hold W/s (kv_b_proj's role, "kv_b", is split per head into its
+projections, o_proj holds W/s (the full-precision kv_b_proj's role, "kv_b", is split per head into its
 k_nope and v rows). q_b_proj keeps W: the s would go into q_a_layernorm's γ, whose Megatron name
 (self_attention.q_layernorm) is also Qwen3's and GLM-4.5's q norm, which UAQ leaves alone, and a name has one
 meaning in every table.
@@ -57,9 +60,8 @@ MLA = (
          lambda s: ((s.kv_lora_rank + s.qk_rope_head_dim, s.hidden),), uaq=("latent",)),
     Slot(_A + "kv_layernorm.weight", (_HA + "kv_a_layernorm.weight",), "replicated", "norm",
          lambda s: ((s.kv_lora_rank,),), uaq=("kv_latent_norm",)),
-    Slot(_A + "linear_kv_up_proj.weight", (_HA + "kv_b_proj.weight",), "rows", "attention",
-         lambda s: ((s.heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),), sglang=_HA + "kv_b_proj",
-         uaq=("kv_b",)),
+    Slot(_A + "linear_kv_up_proj.weight", (_HA + "kv_b_proj.weight",), "rows", "latent",
+         lambda s: ((s.heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),), uaq=("kv_b",)),
     Slot(_A + "linear_proj.weight", (_HA + "o_proj.weight",), "columns", "attention",
          lambda s: ((s.hidden, s.heads * s.v_head_dim),), sglang=_HA + "o_proj", uaq=("o",)),
     Slot(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated", "norm",
@@ -69,7 +71,7 @@ MLA = (
 #: the sigmoid router's expert bias (noaux_tc), a buffer of Megatron's router
 EXPERT_BIAS = (
     Slot(_L + "mlp.router.expert_bias", (_H + "mlp.gate.e_score_correction_bias",), "replicated", "router",
-         lambda s: ((s.experts,),), layers="moe"),
+         lambda s: ((s.experts,),), layers="moe", fp32=True),
 )
 
 #: a dense MLP on the first layers, then the router with its bias, the routed experts and the shared experts

@@ -14,8 +14,9 @@ to know about it:
                gate_up     [gate; up], each half split along dim 0             (SwiGLU's fc1)
              expert slots are sharded over the expert-tensor-parallel group and live on the expert-parallel
              rank that owns them
-  group      what it is: embedding, norm, attention, latent (MLA's down projections to its low-rank q and kv,
-             kept in full precision on both sides), mlp, experts, shared_experts, router, output; the linear
+  group      what it is: embedding, norm, attention, latent (MLA's projections to its low-rank q and kv and
+             from the kv latent, kept in full precision on both sides), mlp, experts, shared_experts, router,
+             output; the linear
              groups a precision's scope can quantize are `LINEAR_GROUPS`
   shapes     the HF tensors' shapes from the config's `Shape` (what `qurl plan` counts)
   sglang     the SGLang module that holds these HF tensors (SGLang packs q/k/v and gate/up as Megatron does),
@@ -26,6 +27,8 @@ to know about it:
   exported   False for a copy of a tensor another slot exports (a tied output layer under pipeline stages)
   layers     the layers a per-layer slot exists in: "all", "dense" (a dense model's every layer, an MoE model's
              first `first_k_dense_replace`), or "moe" (the others)
+  fp32       True for a tensor that stays fp32 whatever dtype the weights travel or are written in (the router's
+             expert bias: Megatron and SGLang hold it in fp32, and a bf16 copy moves near-tie routes)
 
 An `Architecture` is a model type's slots and the features its configs turn on. Nothing here imports a framework:
 the converter, the trainer's spec, the SGLang plugin, UAQ, the precision table and `qurl plan` read these tables.
@@ -143,6 +146,7 @@ class Slot:
     needs: str = ""
     exported: bool = True
     layers: str = "all"
+    fp32: bool = False
 
     def __post_init__(self) -> None:
         if self.layers not in LAYER_KINDS:

@@ -41,8 +41,9 @@ class ScaleEncoding(Enum):
 
 
 #: GEMM kernels that take a format's codes as stored: `quant.gemm`'s backends (torch._int_mm, torch._scaled_mm)
-#: and SGLang's W8A8 kernels (`qurl_mcore.sglang.kernels`), with per-tensor/row scales
-INT_MM, SCALED_MM, SGLANG_W8A8 = "int8", "fp8", "sglang_w8a8"
+#: and SGLang's W8A8 kernels (`qurl_mcore.sglang.kernels`), with per-tensor/row scales; and the fused FP4
+#: Triton GEMMs (`qurl_mcore.kernels`), on the format's own blocks
+INT_MM, SCALED_MM, SGLANG_W8A8, TRITON_FP4 = "int8", "fp8", "sglang_w8a8", "triton_fp4"
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class FormatSpec:
     """A format's facts: its element `family` and `bits`, its largest value, the dtype that stores its codes
     (FP4: two per uint8), its scale encoding, its own block length along the last (reduction) dimension
     (None: scales follow the granularity) and the GEMM `kernels` that take it (`INT_MM`, `SCALED_MM`,
-    `SGLANG_W8A8`; emulation takes every format)."""
+    `SGLANG_W8A8`, `TRITON_FP4`; emulation takes every format)."""
 
     name: str
     family: Family
@@ -89,8 +90,10 @@ FORMATS: dict[str, FormatSpec] = {f.name: f for f in (
     FormatSpec("fp8_e4m3", Family.FP8, 8, E4M3_MAX, torch.float8_e4m3fn, ScaleEncoding.FP32,
                kernels=frozenset({SCALED_MM, SGLANG_W8A8})),
     FormatSpec("fp8_e5m2", Family.FP8, 8, E5M2_MAX, torch.float8_e5m2, ScaleEncoding.FP32),
-    FormatSpec("nvfp4", Family.FP4, 4, E2M1_MAX, torch.uint8, ScaleEncoding.E4M3_FP32, block=16),
-    FormatSpec("mxfp4", Family.FP4, 4, E2M1_MAX, torch.uint8, ScaleEncoding.E8M0, block=32),
+    FormatSpec("nvfp4", Family.FP4, 4, E2M1_MAX, torch.uint8, ScaleEncoding.E4M3_FP32, block=16,
+               kernels=frozenset({TRITON_FP4})),
+    FormatSpec("mxfp4", Family.FP4, 4, E2M1_MAX, torch.uint8, ScaleEncoding.E8M0, block=32,
+               kernels=frozenset({TRITON_FP4})),
 )}
 
 
@@ -210,3 +213,52 @@ def e8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
     shared = (exp - 1 - 2).to(torch.int32)
     shared = torch.where(amax > 0, shared, torch.full_like(shared, -E8M0_BIAS))
     return shared.clamp(-E8M0_BIAS, E8M0_BIAS)
+
+
+# ---- HiF4's codes (the block quantizer is `hif4.py`) ----------------------------------------------------------
+
+#: HiFloat4's element (Huawei CANN `hifloat4.h`): S1E1M2, bias 1, so the magnitudes are k/4 for k = 0..7:
+#: 0.25, 0.5, 0.75 subnormal, 1 to 1.75 normal. Bit 3 is the sign, as for E2M1.
+E1M2_MAX = 1.75
+#: HiF4's unit scale: E6M2, exponent bias 48, no subnormals; code 0 is zero. CANN's converter saturates at
+#: exponent 63 with mantissa 2 (1.5 · 2^15), leaving the all-ones code unused.
+E6M2_BIAS = 48
+E6M2_MAX = 1.5 * 2.0**15
+E6M2_MIN = 1.25 * 2.0**-E6M2_BIAS  # the smallest non-zero code (1): 2^-48 itself is code 0, zero
+
+
+def e1m2_encode(x: torch.Tensor) -> torch.Tensor:
+    """Nearest E1M2 code for x (uint8, bit 3 the sign), saturating at ±1.75. The grid is uniform (step 1/4),
+    so the magnitude code is RNE(4|x|) capped at 7, and a tie goes to the even code (0.125 -> 0, 0.375 -> 2)."""
+    mag = (x.abs() * 4.0).round_().clamp_(max=7.0)
+    return (mag + torch.where(x < 0, 8.0, 0.0)).to(torch.uint8)
+
+
+def e1m2_decode(codes: torch.Tensor) -> torch.Tensor:
+    """E1M2 codes -> fp32 values: (code & 7) / 4, negated where bit 3 is set."""
+    c = codes.to(torch.int32)
+    mag = (c & 0x7).to(torch.float32) * 0.25
+    return torch.where((c & 0x8) != 0, -mag, mag)
+
+
+def e6m2_round(v: torch.Tensor) -> torch.Tensor:
+    """v >= 0 rounded to the nearest E6M2 value (2 mantissa bits, RNE), saturating to [E6M2_MIN, E6M2_MAX];
+    0 stays 0. With v = m·2^e (frexp: m in [0.5, 1)) the binade's step is 2^(e-3) and v/step lies in [4, 8)."""
+    _, exp = torch.frexp(v)
+    step = torch.ldexp(torch.ones_like(v), exp - 3)
+    rounded = (v / step).round_() * step
+    return torch.where(v > 0, rounded.clamp(E6M2_MIN, E6M2_MAX), 0.0)
+
+
+def e6m2_encode(v: torch.Tensor) -> torch.Tensor:
+    """E6M2 values (outputs of `e6m2_round`) -> uint8 codes: biased exponent in bits 2-7, mantissa in bits 0-1."""
+    mant, exp = torch.frexp(v)  # v = (2·mant)·2^(exp-1), 2·mant in [1, 2)
+    code = ((exp - 1 + E6M2_BIAS) << 2) + ((mant * 2.0 - 1.0) * 4.0).round().to(torch.int32)
+    return torch.where(v > 0, code, 0).to(torch.uint8)
+
+
+def e6m2_decode(codes: torch.Tensor) -> torch.Tensor:
+    """E6M2 codes -> fp32: (1 + m/4)·2^(e-48) for code = e·4 + m, and code 0 is zero."""
+    c = codes.to(torch.int32)
+    value = torch.ldexp(1.0 + (c & 0x3).to(torch.float32) * 0.25, (c >> 2) - E6M2_BIAS)
+    return torch.where(c > 0, value, 0.0)

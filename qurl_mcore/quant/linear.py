@@ -22,7 +22,8 @@ from .fake import residual_quantize
 from .formats import get_format
 from .gemm import BACKENDS, quantized_matmul_sum
 from .granularity import GRANULARITIES, Granularity, PerBlock, PerRow, PerToken, for_format
-from .qtensor import QTensor, quantize
+from .grouped import Groups, grouped_mm
+from .qtensor import QTensor, no_host_reads, quantize
 
 MODES = ("bf16", "rc_none", "rc_forward", "rc_backward", "rc_both")
 
@@ -88,8 +89,10 @@ def make_spec(
 
 
 def quantize_weight(weight: torch.Tensor, spec: QuantLinearSpec) -> QTensor:
-    """Q(W) as the layer uses it; the rollout engine calls this once per weight update."""
-    return quantize(weight, spec.fmt, spec.weight_granularity)
+    """Q(W) as the layer uses it; the rollout engine calls this once per weight update. A stack of expert
+    weights [E, out, in] is quantized in one call, each expert as its own tensor (NVFP4: its own global scale;
+    the weight granularity must group within rows, `Granularity.row_grouped`)."""
+    return quantize(weight, spec.fmt, spec.weight_granularity, batch_dims=int(weight.dim() == 3))
 
 
 @functools.cache
@@ -128,13 +131,20 @@ def quantize_activation(x: torch.Tensor, spec: QuantLinearSpec) -> torch.Tensor:
 
 
 def _forward(x2: torch.Tensor, wq: QTensor, spec: QuantLinearSpec, keep_residual: bool,
-             w_values: torch.Tensor | None = None):
+             w_values: torch.Tensor | None = None, groups: Groups | None = None):
     """Y = Q̃_fwd(X)·Q(W)ᵀ in fp32, plus the activation parts (with the residual if RC needs it anywhere);
-    `w_values`: Q(W)'s fp32 values if the caller has them."""
+    `w_values`: Q(W)'s fp32 values if the caller has them (required with `groups`: row group g of X times
+    expert g of a stacked W, emulated)."""
     parts = _quantize_activation(x2, spec, spec.act_granularity, spec.rc_forward or keep_residual)
     gemm_parts = parts if spec.rc_forward else parts[:1]
+    if groups is not None:
+        return grouped_mm(_dequantized_sum(gemm_parts), w_values.mT, groups), parts
     y = quantized_matmul_sum(gemm_parts, wq, backend=spec.backend, b_values=w_values)
     return y, parts
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, groups: Groups | None) -> torch.Tensor:
+    return a @ b if groups is None else grouped_mm(a, b, groups)
 
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -153,11 +163,27 @@ def quantized_linear(
 
 
 class QuantLinearFunction(torch.autograd.Function):
-    """Training: the forward and backward of the module docstring; weights are re-quantized every call."""
+    """Training: the forward and backward of the module docstring; weights are re-quantized every call, with
+    nothing read back to the host (`no_host_reads`: a non-finite value turns the loss NaN, and the step skips).
+    With `groups`, x's rows are an MoE layer's tokens sorted by expert and weight [E, out, in] stacks the
+    experts': every product is a grouped GEMM (`grouped.grouped_mm`), the weights are quantized in one call,
+    and the numbers are those of one such linear per expert (quantization is per token: row-grouped)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spec: QuantLinearSpec):
-        ctx.spec = spec
+    def forward(ctx, x, weight, bias, spec: QuantLinearSpec, groups: Groups | None = None):
+        with no_host_reads():
+            return QuantLinearFunction._forward(ctx, x, weight, bias, spec, groups)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        with no_host_reads():  # the autograd engine may run this on another thread: the context is set again
+            return QuantLinearFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _forward(ctx, x, weight, bias, spec: QuantLinearSpec, groups: Groups | None):
+        if groups is not None and bias is not None:
+            raise ValueError("grouped expert linears take no bias; build the experts with add_bias_linear=False")
+        ctx.spec, ctx.groups = spec, groups
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         x2 = x.reshape(-1, x.shape[-1])
         # No tokens (an MoE expert none was routed to in this micro-batch): Y is empty and dW = 0, as the
@@ -165,16 +191,18 @@ class QuantLinearFunction(torch.autograd.Function):
         ctx.quantized, ctx.has_bias = spec.quantized and x2.shape[0] > 0, bias is not None
         if not ctx.quantized:
             ctx.save_for_backward(x2, weight)
+            if groups is not None:
+                return grouped_mm(x2, weight.mT, groups).reshape(*x.shape[:-1], -1)
             return torch.nn.functional.linear(x, weight, bias)
         wq = quantize_weight(weight, spec)
         w_values = wq.dequantize(torch.float32)  # the backward's dX = Q̃(dY)·Q(W) needs them too: decoded once
-        y, parts = _forward(x2, wq, spec, keep_residual=spec.rc_backward, w_values=w_values)
+        y, parts = _forward(x2, wq, spec, keep_residual=spec.rc_backward, w_values=w_values, groups=groups)
         x_for_dw = _dequantized_sum(parts if spec.rc_backward else parts[:1])
         ctx.save_for_backward(x_for_dw, w_values)
         return _add_bias(y, bias).to(x.dtype).reshape(*x.shape[:-1], -1)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def _backward(ctx, grad_out):
         spec = ctx.spec
         x_saved, w_saved = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
@@ -183,14 +211,16 @@ class QuantLinearFunction(torch.autograd.Function):
             gq = _dequantized_sum(gparts)
         else:
             gq = g2
-        grad_x = (gq @ w_saved).to(ctx.x_dtype).reshape(*grad_out.shape[:-1], w_saved.shape[1])
-        grad_w = (gq.t() @ x_saved).to(ctx.w_dtype)
+        grad_x = _mm(gq, w_saved, ctx.groups).to(ctx.x_dtype).reshape(*grad_out.shape[:-1], w_saved.shape[-1])
+        grad_w = _mm(gq.t(), x_saved, ctx.groups).to(ctx.w_dtype)
         grad_b = g2.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def quant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, spec: QuantLinearSpec
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, spec: QuantLinearSpec,
+    groups: Groups | None = None
 ) -> torch.Tensor:
-    """Differentiable quantized linear: x [..., in], weight [out, in] -> [..., out]."""
-    return QuantLinearFunction.apply(x, weight, bias, spec)
+    """Differentiable quantized linear: x [..., in], weight [out, in] -> [..., out]; with `groups`, x [T, in]
+    sorted by expert and the experts' stacked weight [E, out, in] -> [T, out] (`QuantLinearFunction`)."""
+    return QuantLinearFunction.apply(x, weight, bias, spec, groups)

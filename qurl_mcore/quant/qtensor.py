@@ -11,7 +11,10 @@ The groups are the granularity's (`granularity.py`: per tensor, row, token, or b
 """
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -76,10 +79,27 @@ class QTensor:
         return self.granularity.ungroup(values, self.shape).to(dtype or self.dtype)
 
 
+_NO_HOST_READS: ContextVar[bool] = ContextVar("no_host_reads", default=False)
+
+
+@contextlib.contextmanager
+def no_host_reads() -> Iterator[None]:
+    """Within: `quantize` reads nothing back to the host (no per-call GPU synchronization), so a non-finite
+    input gives NaN scales and values instead of raising. The trainer's quantized GEMMs run so: a NaN reaches
+    the loss and the gradient norm, and the step skips that update."""
+    token = _NO_HOST_READS.set(True)
+    try:
+        yield
+    finally:
+        _NO_HOST_READS.reset(token)
+
+
 def _in_graph(x: torch.Tensor) -> bool:
-    """Whether this call is being compiled (torch.compile) or captured (a CUDA graph): then nothing may wait
-    for the host, and a non-finite input propagates as NaN instead of raising."""
-    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    """Whether this call is being compiled (torch.compile) or captured (a CUDA graph), or runs under
+    `no_host_reads`: then nothing may wait for the host, and a non-finite input propagates as NaN instead of
+    raising."""
+    return (torch.compiler.is_compiling() or _NO_HOST_READS.get()
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def quotient(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
@@ -107,7 +127,8 @@ def quotient_fp64(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
 
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
     """Raise a ValueError if x holds NaN or inf: quantizing those would silently poison every scale. (Skipped
-    inside a compiled or captured graph, where reading the answer back would stall it.)"""
+    inside a compiled or captured graph and under `no_host_reads`, where reading the answer back would stall
+    the device.)"""
     if _in_graph(x):
         return
     if not bool(torch.isfinite(x).all()):
@@ -147,17 +168,18 @@ def quantize(
     if spec.scale_encoding is ScaleEncoding.E8M0:
         exponent = e8m0_exponent(amax)
         scale_dec = torch.exp2(exponent.to(torch.float32))
-        scale = (exponent + E8M0_BIAS).to(torch.uint8)
+        # E8M0's NaN (255, decoding to inf here) for a non-finite group, which is then never lost
+        scale = torch.where(amax.isfinite(), exponent + E8M0_BIAS, 255).to(torch.uint8)
     elif spec.scale_encoding is ScaleEncoding.E4M3_FP32 and isinstance(gran, PerBlock):
         per_tensor = amax.reshape(x.shape[0] if batch_dims else 1, -1)
         tensor_amax = per_tensor.amax(dim=-1, keepdim=True)
-        glob = torch.where(tensor_amax > 0, quotient(tensor_amax, spec.max_value * E4M3_MAX), 1.0)
+        glob = torch.where(tensor_amax != 0, quotient(tensor_amax, spec.max_value * E4M3_MAX), 1.0)
         glob_groups = glob.expand_as(per_tensor).reshape(amax.shape)
         scale = quotient(quotient(amax, spec.max_value), glob_groups).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
         scale_dec = scale.to(torch.float32) * glob_groups
         global_scale = glob.reshape(-1) if batch_dims else glob.reshape(())
     else:
-        scale = torch.where(amax > 0, quotient(amax, spec.max_value), torch.ones_like(amax))
+        scale = torch.where(amax != 0, quotient(amax, spec.max_value), torch.ones_like(amax))  # NaN stays NaN
         scale_dec = scale
     positive = scale_dec > 0
     scaled = quotient(g, torch.where(positive, scale_dec, 1.0))

@@ -17,17 +17,18 @@ from qurl_mcore.rl import AGGREGATIONS, LOSSES
 from qurl_mcore.rl import metrics as M
 
 
-def aggregate(values: Tensor, mask: Tensor, agg: str = "token_mean") -> Tensor:
+def aggregate(values: Tensor, mask: Tensor, agg: str = "token_mean", *, on_device: bool = False) -> Tensor:
     """Reduce per-token `values` [batch, seq] to a scalar over the response tokens in `mask`.
 
     - ``token_mean``: Σ_{i,t} m·v / Σ_{i,t} m (DAPO; every token weighs the same).
     - ``seq_mean_token_mean``: mean, over sequences with ≥ 1 response token, of Σ_t m·v / Σ_t m (GRPO).
     - ``seq_mean_token_sum``: mean over all sequences of Σ_t m·v (no length normalisation).
+    `on_device`: skip the check that the mask selects a token (it reads back to the host); 0/0 is then NaN.
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown agg {agg!r}; use one of {AGGREGATIONS}")
     if agg == "token_mean":
-        return M.masked_mean(values, mask)
+        return M.masked_mean(values, mask, on_device=on_device)
     if values.dim() != 2:
         raise ValueError(f"{agg} needs per-token values shaped [batch, seq]; got {tuple(values.shape)}")
     mask = M.as_bool_mask(mask, values.shape)
@@ -36,19 +37,21 @@ def aggregate(values: Tensor, mask: Tensor, agg: str = "token_mean") -> Tensor:
         return sums.mean()
     counts = mask.sum(dim=-1)
     nonempty = counts > 0
-    if not nonempty.any():
+    if not on_device and not nonempty.any():
         raise ValueError("mask selects no tokens; drop empty micro-batches before calling")
-    return (sums[nonempty] / counts[nonempty]).mean()
+    # an empty sequence adds 0/1 to the sum and nothing to the count
+    return (sums / counts.clamp(min=1)).sum() / nonempty.sum()
 
 
-def aggregation_units(mask: Tensor, agg: str) -> int:
-    """What `aggregate(·, mask, agg)` divides by: response tokens, non-empty sequences, or sequences. A loss
-    times its units is a sum, so micro-batches add up to the loss of their whole batch."""
+def aggregation_units(mask: Tensor, agg: str) -> Tensor:
+    """What `aggregate(·, mask, agg)` divides by: response tokens, non-empty sequences, or sequences, as a 0-dim
+    int64 tensor on mask's device (nothing read back to the host). A loss times its units is a sum, so
+    micro-batches add up to the loss of their whole batch."""
     if agg == "token_mean":
-        return int(mask.sum())
+        return mask.sum()
     if agg == "seq_mean_token_mean":
-        return int((mask.sum(dim=-1) > 0).sum())
-    return int(mask.shape[0])
+        return (mask.sum(dim=-1) > 0).sum()
+    return mask.new_full((), mask.shape[0], dtype=torch.int64)  # a fill, not a host-to-device copy
 
 
 def policy_loss(
@@ -68,7 +71,8 @@ def policy_loss(
     kl_estimator: str = "k3",
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
-) -> tuple[Tensor, dict[str, float]]:
+    on_device: bool = False,
+) -> tuple[Tensor, dict[str, float | Tensor]]:
     """Negative clipped policy objective (to minimise) plus optional KL and entropy terms, and its metrics.
 
     Log-probs, `mask` (response tokens), and the optional `ref_logprobs`/`entropy` are [batch, seq];
@@ -84,7 +88,11 @@ def policy_loss(
       still count in the normaliser.
     - ``acr``:       min(r, C) · min(R·A, clip(R, 1 − eps_low, u)·A), u = max(1 − eps_low, (1 + eps_high)/r)
       (QuRL's adaptive clipping range).
-    - ``acr_symmetric``: as ``acr`` with the lower bound adapted too: clip(R, (1 − eps_low)/r, (1 + eps_high)/r).
+    - ``acr_symmetric``: as ``acr`` with the lower bound adapted too: clip(R, (1 − eps_low)/r, (1 + eps_high)/r),
+      i.e. the range applied to the product: r·clip(R, ·) = clip(rR, 1 − eps_low, 1 + eps_high) for r ≤ C.
+    - ``acr_trunc``: the clipped objective on the ratio to QuRL's truncated behaviour policy
+      π_behav^trunc = max(π_behav, π_prox/C): with r̃ = min(r, C), r̃ · min(R·A, clip(R, (1 − eps_low)/r̃,
+      (1 + eps_high)/r̃)·A) = min(ρ̃·A, clip(ρ̃)·A), ρ̃ = r̃R. As ``acr_symmetric`` while r ≤ C.
 
     ACR derivation (QuRL §4.2). Since r > 0, r·min(x, y) = min(r·x, r·y) and
     r·clip(R, 1 − ε, 1 + ε) = clip(r·R, r(1 − ε), r(1 + ε)), so the decoupled objective is a clipped objective
@@ -106,35 +114,41 @@ def policy_loss(
     Metrics (Python floats; names as logged, described in docs/objectives.md): ``loss/total``, ``loss/policy``,
     ``clip_frac/low``, ``clip_frac/high``, ``is_ratio/{mean,max,truncated_frac,masked_frac}``,
     ``mismatch/{kl_k1,kl_k3,abs_logprob_diff,prob_pearson}``, plus ``kl_ref`` when `ref_logprobs` is given
-    and ``entropy`` when `entropy` is given.
+    and ``entropy`` when `entropy` is given. `on_device`: nothing is read back to the host (a trainer's
+    micro-batch): the metrics are detached 0-dim tensors on the inputs' device, and the inputs are not checked
+    for an empty mask or non-finite response-token values (the caller checks; they give NaN here).
     """
     _check_options(method, eps_low, eps_high, tis_cap, agg, kl_estimator, ref_logprobs, kl_coef, entropy, entropy_coef)
-    mask, t = _prepare_inputs(logprobs, prox_logprobs, behav_logprobs, advantages, mask, ref_logprobs, entropy)
+    mask, t = _prepare_inputs(logprobs, prox_logprobs, behav_logprobs, advantages, mask, ref_logprobs, entropy,
+                              check_values=not on_device)
     obj, ratio, lower, upper = _surrogate(
         t["logprobs"], t["prox_logprobs"], t["behav_logprobs"], t["advantages"], method, eps_low, eps_high, tis_cap
     )
-    policy = -aggregate(obj, mask, agg)
+    read = (lambda v: v.detach()) if on_device else (lambda v: v.item())  # noqa: E731
+    policy = -aggregate(obj, mask, agg, on_device=on_device)
     loss = policy
-    low, high = M.clip_fractions(ratio, t["advantages"], lower, upper, mask)
+    low, high = M.clip_fractions(ratio, t["advantages"], lower, upper, mask, on_device=on_device)
     prox, behav = t["prox_logprobs"], t["behav_logprobs"]
+    ratios = M.importance_ratio_stats(prox, behav, mask, cap=tis_cap, on_device=on_device)
     metrics = {
-        "loss/policy": policy.item(),
+        "loss/policy": read(policy),
         "clip_frac/low": low,
         "clip_frac/high": high,
-        **{f"is_ratio/{k}": v for k, v in M.importance_ratio_stats(prox, behav, mask, cap=tis_cap).items()},
-        **{f"mismatch/kl_{e}": M.kl_divergence(behav, prox, mask, estimator=e) for e in M.KL_ESTIMATORS},
-        "mismatch/abs_logprob_diff": M.mean_abs_logprob_diff(prox, behav, mask),
-        "mismatch/prob_pearson": M.prob_pearson(prox, behav, mask),
+        **{f"is_ratio/{k}": v for k, v in ratios.items()},
+        **{f"mismatch/kl_{e}": M.kl_divergence(behav, prox, mask, estimator=e, on_device=on_device)
+           for e in M.KL_ESTIMATORS},
+        "mismatch/abs_logprob_diff": M.mean_abs_logprob_diff(prox, behav, mask, on_device=on_device),
+        "mismatch/prob_pearson": M.prob_pearson(prox, behav, mask, on_device=on_device),
     }
     if ref_logprobs is not None:
-        kl = aggregate(M.kl_per_token(t["logprobs"], t["ref_logprobs"], kl_estimator), mask, agg)
+        kl = aggregate(M.kl_per_token(t["logprobs"], t["ref_logprobs"], kl_estimator), mask, agg, on_device=on_device)
         loss = loss + kl_coef * kl
-        metrics["kl_ref"] = kl.item()
+        metrics["kl_ref"] = read(kl)
     if entropy is not None:
-        ent = aggregate(t["entropy"], mask, agg)
+        ent = aggregate(t["entropy"], mask, agg, on_device=on_device)
         loss = loss - entropy_coef * ent
-        metrics["entropy"] = ent.item()
-    metrics["loss/total"] = loss.item()
+        metrics["entropy"] = read(ent)
+    metrics["loss/total"] = read(loss)
     return loss, metrics
 
 
@@ -163,12 +177,14 @@ def _surrogate(
         elif method == "mis":
             # Compared in log space so that the test agrees with metrics.importance_ratio_stats' masked_frac.
             weight = torch.where(log_r.abs() <= math.log(tis_cap), r, 0)
-        elif method != "ppo":  # tis, acr, acr_symmetric
+        elif method != "ppo":  # tis, acr, acr_symmetric, acr_trunc
             weight = r.clamp(max=tis_cap)
             if method == "acr":
                 upper = (upper / r).clamp(min=lower)
             elif method == "acr_symmetric":
                 lower, upper = lower / r, upper / r
+            elif method == "acr_trunc":
+                lower, upper = lower / weight, upper / weight
     clipped = ratio.clamp(min=lower).clamp(max=upper)
     return weight * torch.minimum(ratio * adv, clipped * adv), ratio, lower, upper
 
@@ -211,14 +227,16 @@ def _prepare_inputs(
     mask: Tensor,
     ref_logprobs: Tensor | None,
     entropy: Tensor | None,
+    check_values: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Check shapes and finiteness; return the bool mask and the inputs in a common float dtype with padding
+    """Check shapes, and with `check_values` (reading back to the host) that the mask selects a token and the
+    response tokens are finite; return the bool mask and the inputs in a common float dtype with padding
     zeroed (so that garbage there, NaN included, reaches neither the loss nor the gradient)."""
     if logprobs.dim() != 2 or not logprobs.is_floating_point():
         raise ValueError(f"logprobs must be a float tensor [batch, seq]; got {logprobs.dtype} {tuple(logprobs.shape)}")
     shape = logprobs.shape
     mask = M.as_bool_mask(mask, shape)
-    if not mask.any():
+    if check_values and not mask.any():
         raise ValueError("mask selects no response tokens; drop empty micro-batches before calling")
     if advantages.shape == shape[:1]:
         advantages = advantages.unsqueeze(-1).expand(shape)
@@ -243,8 +261,8 @@ def _prepare_inputs(
             continue
         if x.shape != shape:
             raise ValueError(f"{name} has shape {tuple(x.shape)} but logprobs has {tuple(shape)}; they must match")
-        bad = mask & ~torch.isfinite(x)
-        if bad.any():
+        bad = mask & ~torch.isfinite(x) if check_values else None
+        if bad is not None and bad.any():
             first = bad.nonzero()[0].tolist()
             raise ValueError(
                 f"{name} has {int(bad.sum())} non-finite value(s) at response tokens (first at {first}); "

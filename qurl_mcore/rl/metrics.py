@@ -1,8 +1,8 @@
 """Diagnostics of the train/rollout mismatch in quantized-rollout RL.
 
 Per-token inputs are shaped like the log-prob tensors ([batch, seq] or any shape) and come with a mask of the
-tokens to count; values outside the mask are never read, so padding may hold anything, NaN included.
-Scalar metrics are returned as Python floats, ready to log.
+tokens to count; values outside the mask never reach a result, so padding may hold anything, NaN included.
+Scalar metrics are returned as Python floats, ready to log, or (`on_device`) as device tensors to read later.
 
 Notation: π_train is the policy the trainer scores tokens with (the full-precision proximal policy π_prox),
 π_rollout the policy that sampled them (the quantized behaviour policy π_behav).
@@ -33,21 +33,30 @@ def _require_tokens(mask: Tensor) -> None:
         raise ValueError("mask selects no tokens; drop empty micro-batches before calling")
 
 
-def _selected(mask: Tensor, *values: Tensor) -> tuple[Tensor, ...]:
-    """The masked entries of each (same-shaped) tensor, detached and flattened."""
+def _checked(mask: Tensor, *values: Tensor, on_device: bool = False) -> tuple[Tensor, ...]:
+    """The bool mask and each (same-shaped) tensor, detached, after checking shapes and (unless `on_device`:
+    that check reads the mask back to the host) that the mask selects a token."""
     shape = values[0].shape
     for v in values[1:]:
         if v.shape != shape:
             raise ValueError(f"per-token tensors have shapes {tuple(shape)} and {tuple(v.shape)}; they must match")
     mask = as_bool_mask(mask, shape)
-    _require_tokens(mask)
-    return tuple(v.detach()[mask] for v in values)
+    if not on_device:
+        _require_tokens(mask)
+    return (mask, *(v.detach() for v in values))
 
 
-def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Σ mask·values / Σ mask, differentiable; padding is replaced before the sum, so NaN there cannot leak."""
+def _read(value: Tensor, on_device: bool) -> Tensor | float:
+    """`value` as it is (a 0-dim tensor on its device) or read back to the host as a Python float."""
+    return value if on_device else value.item()
+
+
+def masked_mean(values: Tensor, mask: Tensor, *, on_device: bool = False) -> Tensor:
+    """Σ mask·values / Σ mask, differentiable; padding is replaced before the sum, so NaN there cannot leak.
+    `on_device`: skip the check that the mask selects a token (it reads back to the host); 0/0 is then NaN."""
     mask = as_bool_mask(mask, values.shape)
-    _require_tokens(mask)
+    if not on_device:
+        _require_tokens(mask)
     return torch.where(mask, values, 0).sum() / mask.sum()
 
 
@@ -65,38 +74,45 @@ def kl_per_token(sample_logprobs: Tensor, other_logprobs: Tensor, estimator: str
     raise ValueError(f"unknown KL estimator {estimator!r}; use one of {KL_ESTIMATORS}")
 
 
-def kl_divergence(sample_logprobs: Tensor, other_logprobs: Tensor, mask: Tensor, *, estimator: str = "k3") -> float:
+# Every scalar metric below is a Python float, or with `on_device` a 0-dim float64 tensor on the inputs' device
+# computed without reading anything back to the host (a trainer reads them once per step, not per micro-batch);
+# the mask is then not checked for tokens (0/0 gives NaN).
+
+
+def kl_divergence(sample_logprobs: Tensor, other_logprobs: Tensor, mask: Tensor, *, estimator: str = "k3",
+                  on_device: bool = False) -> float | Tensor:
     """Mean over masked tokens of `kl_per_token`: KL(p‖q) with the tokens drawn from p.
 
     For the rollout mismatch pass p = π_behav (it sampled the tokens) and q = π_prox.
     """
-    p, q = _selected(mask, sample_logprobs, other_logprobs)
-    return kl_per_token(p.double(), q.double(), estimator).mean().item()
+    mask, p, q = _checked(mask, sample_logprobs, other_logprobs, on_device=on_device)
+    return _read(masked_mean(kl_per_token(p.double(), q.double(), estimator), mask, on_device=True), on_device)
 
 
-def mean_abs_logprob_diff(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> float:
+def mean_abs_logprob_diff(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
+                          on_device: bool = False) -> float | Tensor:
     """mean |log π_train − log π_rollout| over masked tokens."""
-    a, b = _selected(mask, train_logprobs, rollout_logprobs)
-    return (a.double() - b.double()).abs().mean().item()
+    mask, a, b = _checked(mask, train_logprobs, rollout_logprobs, on_device=on_device)
+    return _read(masked_mean((a.double() - b.double()).abs(), mask, on_device=True), on_device)
 
 
-def prob_pearson(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> float:
+def prob_pearson(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *,
+                 on_device: bool = False) -> float | Tensor:
     """Pearson correlation of the token probabilities π_train and π_rollout over masked tokens (MoEResQ's PCC).
 
     NaN when it is undefined: fewer than two tokens, or either side constant.
     """
-    a, b = _selected(mask, train_logprobs, rollout_logprobs)
-    x = a.double().exp()
-    y = b.double().exp()
-    x = x - x.mean()
-    y = y - y.mean()
+    mask, a, b = _checked(mask, train_logprobs, rollout_logprobs, on_device=on_device)
+    x, y = (torch.where(mask, v.double().exp(), 0) for v in (a, b))
+    x = torch.where(mask, x - masked_mean(x, mask, on_device=True), 0)
+    y = torch.where(mask, y - masked_mean(y, mask, on_device=True), 0)
     # A single token or a constant side makes this 0/0, i.e. NaN, like scipy.stats.pearsonr.
-    return (x @ y / (x.norm() * y.norm())).clamp(-1.0, 1.0).item()
+    return _read((x.flatten() @ y.flatten() / (x.norm() * y.norm())).clamp(-1.0, 1.0), on_device)
 
 
 def importance_ratio_stats(
-    prox_logprobs: Tensor, behav_logprobs: Tensor, mask: Tensor, *, cap: float
-) -> dict[str, float]:
+    prox_logprobs: Tensor, behav_logprobs: Tensor, mask: Tensor, *, cap: float, on_device: bool = False
+) -> dict[str, float | Tensor]:
     """Statistics of r = π_prox/π_behav over masked tokens.
 
     Keys: ``mean``, ``max``, ``truncated_frac`` (share with r > cap, what TIS/ACR truncate) and ``masked_frac``
@@ -104,21 +120,23 @@ def importance_ratio_stats(
     """
     if not cap >= 1:
         raise ValueError(f"cap must be >= 1 (got {cap}); [1/cap, cap] must contain r = 1")
-    p, b = _selected(mask, prox_logprobs, behav_logprobs)
+    mask, p, b = _checked(mask, prox_logprobs, behav_logprobs, on_device=on_device)
     log_r = p.double() - b.double()
     r = log_r.exp()
     log_cap = math.log(cap)
-    return {
-        "mean": r.mean().item(),
-        "max": r.max().item(),
-        "truncated_frac": (log_r > log_cap).double().mean().item(),
-        "masked_frac": (log_r.abs() > log_cap).double().mean().item(),
+    stats = {
+        "mean": masked_mean(r, mask, on_device=True),
+        "max": torch.where(mask, r, -math.inf).max(),
+        "truncated_frac": masked_mean((log_r > log_cap).double(), mask, on_device=True),
+        "masked_frac": masked_mean((log_r.abs() > log_cap).double(), mask, on_device=True),
     }
+    return {k: _read(v, on_device) for k, v in stats.items()}
 
 
 def clip_fractions(
-    ratio: Tensor, advantages: Tensor, lower: Tensor | float, upper: Tensor | float, mask: Tensor
-) -> tuple[float, float]:
+    ratio: Tensor, advantages: Tensor, lower: Tensor | float, upper: Tensor | float, mask: Tensor, *,
+    on_device: bool = False
+) -> tuple[float | Tensor, float | Tensor]:
     """Shares of masked tokens whose gradient the clip removes: (low, high).
 
     In min(ratio·A, clip(ratio, lower, upper)·A) the clipped branch wins, and is flat, exactly when
@@ -129,8 +147,9 @@ def clip_fractions(
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, ratio {tuple(ratio.shape)}; they must match")
     low = (advantages < 0) & (ratio < lower)
     high = (advantages > 0) & (ratio > upper)
-    low, high = _selected(mask, low, high)
-    return low.double().mean().item(), high.double().mean().item()
+    mask, low, high = _checked(mask, low, high, on_device=on_device)
+    low, high = (masked_mean(v.double(), mask, on_device=True) for v in (low, high))
+    return _read(low, on_device), _read(high, on_device)
 
 
 def _topk_per_token(train_idx: Tensor, rollout_idx: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -159,13 +178,16 @@ def _overlap_counts(train_idx: Tensor, rollout_idx: Tensor) -> Tensor:
     return (both[..., 1:] == both[..., :-1]).sum(dim=-1)
 
 
-def topk_agreement_sums(train_idx: Tensor, rollout_idx: Tensor) -> tuple[Tensor, Tensor]:
-    """Per layer, over all tokens given ([tokens, layers, k] each): (Σ_t [E_t = F_t], Σ_t |E_t ∩ F_t| / k), float64
-    [layers] each; sums, so that batches and ranks add up before dividing by the token count."""
+def topk_agreement_sums(train_idx: Tensor, rollout_idx: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Per layer, over the tokens given ([tokens, layers, k] each) that `mask` ([tokens], default all) selects:
+    (Σ_t [E_t = F_t], Σ_t |E_t ∩ F_t| / k), float64 [layers] each; sums, so that batches and ranks add up before
+    dividing by the token count. Nothing is read back to the host."""
     train_idx, rollout_idx = _topk_per_token(train_idx, rollout_idx, None)
     counts = _overlap_counts(train_idx, rollout_idx)
+    weight = torch.ones(counts.shape[0], 1, dtype=torch.float64, device=counts.device) if mask is None else (
+        as_bool_mask(mask, counts.shape[:1]).double()[:, None])
     k = train_idx.shape[-1]
-    return (counts == k).double().sum(dim=0), counts.double().sum(dim=0) / k
+    return ((counts == k).double() * weight).sum(dim=0), (counts.double() * weight).sum(dim=0) / k
 
 
 def topk_match_fraction(train_idx: Tensor, rollout_idx: Tensor, mask: Tensor | None = None) -> tuple[Tensor, float]:

@@ -59,6 +59,9 @@ class EngineConfig:
         if options is not None:
             kw["quantization"] = options.method
             kw["json_model_override_args"] = json.dumps(options.override_args())
+            # the shared expert stays linears of its own, as the plugin quantizes, logs and pushes it (see
+            # QurlQuantConfig.can_fuse_shared_expert); GLM-4.5's fusion gate never asks the quant config
+            kw["disable_shared_experts_fusion"] = True
         if self.return_routed_experts:
             kw["enable_return_routed_experts"] = True
         if self.device == "cpu":  # SGLang's CPU engine runs the torch-native attention only, without graphs

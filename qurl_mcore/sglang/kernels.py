@@ -5,7 +5,9 @@ activations are quantized per token by SGLang's fused kernels and the GEMMs run 
 kernels (dense: `int8_scaled_mm`, `apply_fp8_linear`; MoE: the Triton fused-MoE runner with per-channel
 scales). Y = s_x[m] · s_w[n] · Σ_k q_x[m, k] · q_w[n, k] is the same product as the CPU path; only the
 activation rounding kernel differs (SGLang rounds half away from zero, torch half to even), a difference of
-at most one code on exact ties. Everything else (FP4, other devices) runs `qurl_mcore.quant` itself.
+at most one code on exact ties. Everything else (FP4, other devices) runs `qurl_mcore.quant` itself, and so
+does a dense INT8 linear on a GPU that `int8_scaled_mm` has no kernel for (SM100, B200): there
+`quantized_linear` multiplies the same codes with `torch._int_mm` (cuBLASLt) and applies the two scales.
 """
 from __future__ import annotations
 
@@ -18,8 +20,20 @@ from qurl_mcore.quant.formats import SGLANG_W8A8
 KERNEL_FORMATS = tuple(name for name, spec in FORMATS.items() if SGLANG_W8A8 in spec.kernels)
 
 
+#: the compute capabilities sgl-kernel's `int8_scaled_mm` has kernels for, [first, last]: its CUTLASS builds for
+#: SM75, SM80, SM89 and SM90; it raises on any other (SM100, B200, included)
+INT8_SCALED_MM_CAPABILITIES = ((7, 5), (9, 0))
+
+
+def int8_scaled_mm_runs(capability: tuple[int, int]) -> bool:
+    """Whether sgl-kernel's `int8_scaled_mm` runs on a GPU of compute `capability` (major, minor)."""
+    first, last = INT8_SCALED_MM_CAPABILITIES
+    return first <= tuple(capability) <= last
+
+
 def available(spec: FormatSpec, device: torch.device) -> bool:
-    """Whether the SGLang kernel path serves format `spec` on `device` (CUDA with sgl_kernel's W8A8 GEMMs)."""
+    """Whether the SGLang kernel path serves format `spec` on `device` (CUDA with SGLang's W8A8 kernels: the
+    Triton fused-MoE runner for experts; `linear_available` adds the dense GEMM's own limits)."""
     if SGLANG_W8A8 not in spec.kernels or device.type != "cuda":
         return False
     if spec.family is Family.FP8:
@@ -28,6 +42,14 @@ def available(spec: FormatSpec, device: torch.device) -> bool:
 
         return bool(cutlass_fp8_supported())  # its per-token x per-channel epilogue
     return True
+
+
+def linear_available(spec: FormatSpec, device: torch.device) -> bool:
+    """Whether a dense linear of format `spec` runs SGLang's W8A8 GEMM on `device` (`w8a8_linear`): INT8 only
+    where `int8_scaled_mm` has a kernel for the device's capability (`int8_scaled_mm_runs`)."""
+    if not available(spec, device):
+        return False
+    return spec.family is not Family.INT or int8_scaled_mm_runs(torch.cuda.get_device_capability(device))
 
 
 def w8a8_linear(x: torch.Tensor, wq: QTensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -5,6 +5,8 @@ import torch
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 from sglang.srt.utils import set_weight_attrs
 
+from qurl_mcore import kernels as fp4_kernels
+from qurl_mcore.kernels.fp4_moe import fp4_linear
 from qurl_mcore.quant import quantized_linear
 
 from . import kernels, weights
@@ -13,7 +15,8 @@ from .options import REQUANTS, QurlOptions
 
 class QurlLinearMethod(LinearMethodBase):
     """Y = Q̃(X)·Q(W)ᵀ + b, with Q(W) = quantize_weight(W, spec) refreshed after every (partial) update and
-    Q̃ = Q or RC on activations as the spec says: the trainer's `quant_linear` forward."""
+    Q̃ = Q or RC on activations as the spec says: the trainer's `quant_linear` forward. On CUDA (`kernel: auto`)
+    INT8/FP8 take SGLang's W8A8 kernels and FP4 the FP4 Triton GEMM (`qurl_mcore.kernels`)."""
 
     def __init__(self, options: QurlOptions):
         self.options = options
@@ -41,6 +44,9 @@ class QurlLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         wq = layer.qurl_weight
-        if self.options.kernel == "auto" and kernels.available(wq.spec, x.device):
-            return kernels.w8a8_linear(x, wq, bias)
+        if self.options.kernel == "auto":
+            if kernels.linear_available(wq.spec, x.device):
+                return kernels.w8a8_linear(x, wq, bias)
+            if fp4_kernels.serves(self.spec, x.device):
+                return fp4_linear(x, wq, bias, self.spec)
         return quantized_linear(x, wq, bias, self.spec)

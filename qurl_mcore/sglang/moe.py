@@ -1,6 +1,8 @@
 """SGLang FusedMoE method: each expert's gate/up (w13) and down (w2) projections run `qurl_mcore.quant`'s
 quantized linear numerics (`quant.experts.experts_forward`, all experts at once), with one `quantize_weight`
-per expert matrix (the trainer quantizes per-expert weights)."""
+per expert matrix (the trainer quantizes per-expert weights). On CUDA (`kernel: auto`) INT8/FP8 experts take
+SGLang's W8A8 Triton runner and FP4 experts the fused FP4 kernels (`qurl_mcore.kernels`: routed experts only,
+packed weights), the same function up to the order of fp32 sums."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +11,8 @@ from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 from sglang.srt.utils import set_weight_attrs
 
+from qurl_mcore import kernels as fp4_kernels
+from qurl_mcore.kernels.fp4_moe import fp4_experts
 from qurl_mcore.quant.experts import experts_forward
 
 from . import kernels, weights
@@ -77,5 +81,7 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
         if config.apply_router_weight_on_input or config.activation != "silu" or config.gemm1_alpha is not None:
             raise NotImplementedError("qurl MoE experts support SiLU-gated experts with output-side routing weights")
         topk_weights, topk_ids, _ = dispatch_output.topk_output
-        out = experts_forward(x, topk_weights, topk_ids, layer.qurl_w13_weight, layer.qurl_w2_weight, self.spec)
+        fp4 = self.options.kernel == "auto" and fp4_kernels.serves(self.spec, x.device)
+        experts = fp4_experts if fp4 else experts_forward
+        out = experts(x, topk_weights, topk_ids, layer.qurl_w13_weight, layer.qurl_w2_weight, self.spec)
         return StandardCombineInput(hidden_states=out)

@@ -17,8 +17,9 @@ Options (keys of the model's `quantization_config`, set from the engine with
   scope   "all" or "experts" (`qurl_mcore.precision.SCOPES`); default: the scope of the precision that
           rolls out with this method (all for qurl_int8/qurl_fp8, experts for the FP4 methods).
           Routers, embeddings and lm_head always stay in the checkpoint's precision.
-  kernel  "auto" (default: SGLang's INT8/FP8 GEMM kernels on CUDA, qurl_mcore.quant elsewhere) or
-          "qurl" (always qurl_mcore.quant.quantized_linear: bitwise the trainer's forward).
+  kernel  "auto" (default: on CUDA SGLang's INT8/FP8 GEMM kernels and qurl_mcore.kernels' FP4 kernels,
+          qurl_mcore.quant elsewhere) or "qurl" (always qurl_mcore.quant's emulation: bitwise the trainer's
+          forward).
   master  where the full-precision weights wait between updates: "host" (default, CPU memory) or
           "device" (no copies per update, but full-precision memory stays on the accelerator).
   requant how each update re-quantizes the weights: "eager" (default, `quantize_weight`) or "compiled"

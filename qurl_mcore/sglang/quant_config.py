@@ -85,6 +85,15 @@ class QurlQuantConfig(QuantizationConfig):
     def get_scaled_act_names(self) -> list[str]:
         return []
 
+    def can_fuse_shared_expert(self) -> bool:
+        """Never, whatever the scope. SGLang's fusion (CUDA, SM >= 80, EP 1) makes the shared expert routed
+        expert E of the layer's FusedMoE (E+1 experts, top-k+1): it would take the routed experts' method
+        (quantized under scope "experts", which keeps shared experts full precision) and be quantized, logged
+        and pushed under an expert name no architecture table has, while the trainer (Megatron's shared-expert
+        MLP) and the symmetry check hold it as linears of its own. DeepSeek's gate asks this; GLM's does not
+        (the engine's server arguments turn fusion off for it: `EngineConfig.engine_kwargs`)."""
+        return False
+
 
 #: method name -> the QuantizationConfig class SGLang instantiates for `--quantization <method>`
 CONFIGS: dict[str, type[QurlQuantConfig]] = {

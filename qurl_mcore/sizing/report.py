@@ -1,7 +1,8 @@
 """The plan as the lines `qurl plan` prints (`--json` prints `Plan.to_dict()`)."""
 from __future__ import annotations
 
-from .gpus import GB, NVLINK_ALLREDUCE_S, GiB, get_gpu
+from .gpus import GB, NVLINK_ALLREDUCE_S, GiB
+from .speed import EMULATED, FP4_KERNELS
 from .verdict import Plan
 
 
@@ -53,9 +54,11 @@ def format_plan(p: Plan) -> str:
         f"(x{ro['ratio']:.2f})"
         + (f"; latency bound {1 / ro['latency_floor_s']:.0f} at batch 1 ({2 * p.model['layers']} TP all-reduces "
            f"of {NVLINK_ALLREDUCE_S * 1e6:.0f} us a step)" if ro["latency_floor_s"] else "")
-        + ("" if get_gpu(hw["gpu"]).has_tensor_cores(e["format"]) else
-           f"; {e['format']} is emulated on a {hw['gpu']} (no {e['format']} tensor cores): dequantized to bf16, "
-           "no speed-up from its weights"),
+        + {EMULATED: f"; {e['format']} is emulated on a {hw['gpu']} (no {e['format']} tensor cores): dequantized "
+                     "to bf16, no speed-up from its weights",
+           FP4_KERNELS: f"; {e['format']} on the FP4 Triton kernels (packed weights, routed experts, bf16 MMAs): "
+                        "a model until a GPU measures them (benchmarks/device_check.sh, rollout-fp4)",
+           }.get(ro["gemm"], ""),
     ]
     for v in p.verdict:
         state = f"fits, {v['margin_gib']:.1f} GiB free" if v["fits"] else "does NOT fit"

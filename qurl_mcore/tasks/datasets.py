@@ -19,10 +19,39 @@ class Example:
     answer: str
 
 
-def _answer(raw) -> str:
+def _field(row: dict, key: str):
+    """row[key]; a dotted key not in the row itself (`reward_model.ground_truth`, verl's layout) goes down
+    through nested objects. Raises KeyError naming the part that is missing and what is there instead."""
+    if key in row:
+        return row[key]
+    value, path = row, []
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            where = ".".join(path) or "the row"
+            has = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise KeyError(f"no {key!r} ({where} has {has})")
+        value, path = value[part], [*path, part]
+    return value
+
+
+def _answer(where: str, key: str, raw) -> str:
+    """The ground truth as the text a reward compares against: a string (GSM8K's "... #### 72" keeps only the
+    final answer), a number, or verl's reward-model object {"ground_truth": ..., "style": ...}. Anything else
+    (a list, another object, true/false, null) is refused: its text would never match a reply."""
+    if isinstance(raw, dict) and "ground_truth" in raw:  # verl's `reward_model` column
+        return _answer(where, f"{key}.ground_truth", raw["ground_truth"])
+    if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
+        shown = json.dumps(raw)[:80] if raw is not None else "null"
+        hint = (f"; name the field that holds it, e.g. data.answer_key={key}.{next(iter(raw))}"
+                if isinstance(raw, dict) and raw else "")
+        raise ValueError(f"{where}: the answer ({key!r}) is {shown}, not a string or a number; every prompt "
+                         f"needs the one answer its reward checks{hint}")
     text = str(raw)
     match = _GSM8K_FINAL.search(text)
-    return match.group(1).replace(",", "") if match else text.strip()
+    answer = match.group(1).replace(",", "") if match else text.strip()
+    if not answer:
+        raise ValueError(f"{where}: the answer ({key!r}) is empty")
+    return answer
 
 
 def _rows(path: Path, limit: int | None) -> Iterator[tuple[str, object, str | None]]:
@@ -76,20 +105,32 @@ def _example(where: str, row, prompt_key: str, answer_key: str, system_prompt: s
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be an object with {prompt_key!r} and {answer_key!r}, "
                          f"got {type(row).__name__}")
-    missing = [k for k in (prompt_key, answer_key) if k not in row]
+    found, missing = [], []
+    for key in (prompt_key, answer_key):
+        try:
+            found.append(_field(row, key))
+        except KeyError as err:
+            missing.append(err.args[0])
     if missing:
-        raise ValueError(f"{where} has no {missing} (it has {sorted(row)}); set data.prompt_key / "
-                         "data.answer_key to the file's keys")
-    messages = _messages(where, row[prompt_key], instruction)
+        raise ValueError(f"{where} has {', '.join(missing)}; set data.prompt_key / data.answer_key to the file's "
+                         "keys (a nested one as reward_model.ground_truth)")
+    prompt, answer = found
+    messages = _messages(where, prompt, instruction)
     if system_prompt:
         messages.insert(0, {"role": "system", "content": system_prompt})
-    if row[answer_key] is None:  # str(None) would be an answer the reward compares against
-        raise ValueError(f"{where}: the answer ({answer_key!r}) is null; every prompt needs the answer its "
-                         "reward checks")
-    answer = _answer(row[answer_key])
-    if not answer:
-        raise ValueError(f"{where}: the answer ({answer_key!r}) is empty")
-    return Example(tuple(messages), answer)
+    return Example(tuple(messages), _answer(where, answer_key, answer))
+
+
+def prompt_file_problem(path: str | Path) -> str | None:
+    """Why `path` is no prompt file to read, or None."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p.name for p in path.iterdir() if p.suffix in (".jsonl", ".parquet"))[:4]
+        return (f"{path} is a directory; give one .jsonl or .parquet file"
+                + (f" (it holds {', '.join(files)})" if files else ""))
+    if not path.is_file():
+        return f"{path} does not exist"
+    return None
 
 
 def scan_examples(path: str | Path, *, prompt_key: str = "question", answer_key: str = "answer",
@@ -98,8 +139,9 @@ def scan_examples(path: str | Path, *, prompt_key: str = "question", answer_key:
     """(where, example) for each row of a prompt file, streamed; a bad row gives (where, what is wrong with
     it, naming file and line) and the scan goes on. `load_examples` says what the rows hold."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
+    problem = prompt_file_problem(path)
+    if problem:
+        raise FileNotFoundError(f"prompt file {problem}")
     for where, row, problem in _rows(path, limit):
         if problem is None:
             try:
@@ -115,8 +157,10 @@ def load_examples(path: str | Path, *, prompt_key: str = "question", answer_key:
                   limit: int | None = None) -> list[Example]:
     """Read prompts and answers (the first `limit` rows only, if given: a quick check of a file). `prompt_key`
     may hold a string (the user turn; `instruction` is appended) or a list of chat messages; GSM8K-style
-    answers ("... #### 72") keep only the final answer. A bad row (broken JSON, a key missing, an empty prompt,
-    a null or empty answer) raises ValueError naming file and line."""
+    answers ("... #### 72") keep only the final answer. A key may be dotted, into nested objects (verl's
+    `reward_model.ground_truth`; `reward_model` alone takes its ground_truth). A bad row (broken JSON, a key
+    missing, an empty prompt, an answer that is null, empty, or no string or number) raises ValueError naming
+    file and line."""
     examples = []
     for _, example in scan_examples(path, prompt_key=prompt_key, answer_key=answer_key,
                                     system_prompt=system_prompt, instruction=instruction, limit=limit):

@@ -43,6 +43,15 @@ def first_number_reward(response: str, answer: str) -> float:
 
 
 REWARDS: dict[str, RewardFn] = {"math": math_reward, "first_number": first_number_reward}
+#: a reply that states `answer` as each built-in reward reads it: the reward pays it in full
+_STATED: dict[str, Callable[[str], str]] = {"math": lambda answer: f"The answer is $\\boxed{{{answer}}}$.",
+                                            "first_number": lambda answer: answer}
+
+
+def replies_stating(reward: str, answer: str) -> list[str]:
+    """Replies that a reward named `reward` should pay for `answer` (`qurl train --check` scores the data's
+    answers with them): a built-in reward's own form; for a user's, the bare answer and the answer boxed."""
+    return [_STATED[reward](answer)] if reward in _STATED else [answer, f"\\boxed{{{answer}}}"]
 #: `package.module:function`, the form of a user's reward
 DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
@@ -73,12 +82,16 @@ def load_reward(name: str) -> RewardFn:
         raise ValueError(f"{name!r} is neither one of {list(REWARDS)} nor package.module:function")
     module, _, attr = name.partition(":")
     try:
-        fn = getattr(importlib.import_module(module), attr)
+        imported = importlib.import_module(module)
     except ImportError as err:
         raise ValueError(f"{name}: cannot import {module} ({err}); put its package on PYTHONPATH on every node, "
                          "or install it") from None
-    except AttributeError:
-        raise ValueError(f"{name}: {module} has no {attr!r}") from None
+    except Exception as err:  # noqa: BLE001 - the user's module failed as it ran: said in one line
+        raise ValueError(f"{name}: importing {module} raised {type(err).__name__}: {err}; fix the module (it runs "
+                         "on import in every process that scores)") from None
+    fn = getattr(imported, attr, None)
+    if fn is None:
+        raise ValueError(f"{name}: {module} has no {attr!r}")
     if not callable(fn):
         raise ValueError(f"{name} is a {type(fn).__name__}, not a function")
     is_batched(fn)

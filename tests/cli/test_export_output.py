@@ -99,3 +99,11 @@ def test_force_never_replaces_a_megatron_lm_checkpoint(tmp_path, capsys):
     assert main(["export", str(hf), str(save), "--uaq-scale", "1.5", "--force"]) == 2
     assert "holds a checkpoint" in capsys.readouterr().out
     assert (save / "iter_0000001" / "__0_0.distcp").read_bytes() == b"slices"
+
+
+def test_an_output_nothing_can_be_written_in_is_refused_before_the_ranks_start(tmp_path, capsys):
+    """/proc refuses every write (root's too): one line and rc 2, not a rank's traceback."""
+    step = _checkpoint(tmp_path / "ckpt")
+    assert main(["export", str(step), "/proc/x"]) == 2
+    assert capsys.readouterr().out == ("qurl export: nothing can be written in /proc/x (No such file or directory); "
+                                       "give a directory the export can write\n")

@@ -1,12 +1,16 @@
 """The rendered Slurm job: valid bash, shellcheck-clean, and the srun/ray command lines each layout needs."""
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from qurl_mcore.slurm import SlurmJob, render
+from qurl_mcore.cli import main
+from qurl_mcore.models import resolve_model_path
+from qurl_mcore.slurm import RAY_SCRIPT, SlurmJob, render
 
 CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
 
@@ -21,7 +25,7 @@ def config(tmp_path):
 
 
 def _job(config, **kw):
-    defaults = dict(nodes=4, gpus_per_node=8, workdir="/opt/qurl", venv="/opt/qurl/.venv")
+    defaults = dict(nodes=4, gpus_per_node=8, workdir="/opt/qurl", venv=sys.prefix)
     return SlurmJob(config=config, **{**defaults, **kw})
 
 
@@ -60,14 +64,14 @@ def test_colocated_directives_and_command_lines(config):
                      r'\s+--num-gpus 8', script)
     assert re.search(r'for \(\( i = 1; i < \$\{#hosts\[@\]\}; i\+\+ \)\); do\n\s+ray_node "\$\{hosts\[\$i\]\}" '
                      r'worker --address "\$ray_address"', script)
-    assert "launch/ray_cluster.sh wait --address \"$ray_address\" --nodes 4 --timeout 600" in script
+    assert f"{RAY_SCRIPT} wait --address \"$ray_address\" --nodes 4 --timeout 600" in script
     assert "echo '{\"qurl_train\": 1, \"qurl_rollout\": 1}'" in script
     # NCCL/InfiniBand environment, and the site-specific addition
     for line in ("export NCCL_IB_DISABLE=0", "export CUDA_DEVICE_MAX_CONNECTIONS=1", "export NCCL_IB_HCA=mlx5"):
         assert line in script
     # training entry point with the checkpoint directory it resumes from
     assert (f'step "$head_node" qurl-train qurl train --config {config} '
-            "checkpoint.dir=/opt/qurl/runs/train/checkpoints logging.dir=/opt/qurl/runs/train/logs layout=colocated &") in script
+            "checkpoint.dir=/opt/qurl/runs/demo/checkpoints logging.dir=/opt/qurl/runs/demo/logs layout=colocated &") in script
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
 
 
@@ -103,9 +107,32 @@ def test_disaggregated_splits_train_and_rollout_nodes(config):
 
 
 def test_container_flags_on_every_step(config):
-    script = render(_job(config, container_image="nvcr.io/nvidia/pytorch:25.01-py3"))
-    assert ("--container-image=nvcr.io/nvidia/pytorch:25.01-py3 --container-mounts=/opt/qurl:/opt/qurl "
+    script = render(_job(config, container_image="nvcr.io/nvidia/pytorch:25.01-py3", container_mounts="/opt/qurl:/q"))
+    assert ("--container-image=nvcr.io/nvidia/pytorch:25.01-py3 --container-mounts=/opt/qurl:/q "
             "--container-workdir=\"$workdir\" --no-container-mount-home \"$@\"") in script
+
+
+def test_a_container_mounts_what_the_config_names_and_runs_the_images_environment(tmp_path):
+    """The config file's, the data's, the model's and the checkpoints' directories, the work directory and the
+    checkout (whose launch/ray_cluster.sh the job runs), each at its own path, the nested ones once; no venv
+    from outside the image."""
+    data, model = tmp_path / "data" / "train.jsonl", tmp_path / "models" / "m"
+    data.parent.mkdir()
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    shutil.copytree(resolve_model_path("tiny-llama"), model)
+    config = tmp_path / "cfg" / "run.yaml"
+    config.parent.mkdir()
+    config.write_text(f"model:\n  path: {model}\ndata:\n  task: file\n  path: {data}\ncheckpoint:\n  dir: "
+                      "/scratch/run/checkpoints\nlogging:\n  dir: /scratch/run/logs\n")
+    script = render(SlurmJob(nodes=1, gpus_per_node=0, config=str(config), workdir=str(tmp_path / "work"),
+                             container_image="qurl.sqsh"))
+    mounts = re.search(r"--container-mounts=(\S+)", script)[1].split(",")
+    work = tmp_path / "work"
+    want = {str(p) for p in (RAY_SCRIPT.parent.parent, config.parent, data.parent, model, work,
+                             "/scratch/run/checkpoints", "/scratch/run/logs")}
+    assert {m.split(":")[0] for m in mounts} == want and all(m == f"{m.split(':')[0]}:{m.split(':')[0]}"
+                                                             for m in mounts)
+    assert "VIRTUAL_ENV" not in script and "CONDA_PREFIX" not in script
 
 
 def test_cpu_job_has_no_gpu_directives_or_nccl(config):
@@ -161,16 +188,58 @@ def _config(tmp_path, text, name="sweep_a.yaml"):
     return str(path)
 
 
-def test_job_name_and_directories_default_from_the_config_name(tmp_path):
-    """Two configs never share a checkpoint directory; Slurm's, Ray's and the run's logs share one directory."""
-    script = render(_job(_config(tmp_path, ""), workdir=str(tmp_path)))
+def test_the_jobs_directories_are_the_configs(tmp_path):
+    """The job's checkpoint and log directories are the config's checkpoint.dir and logging.dir (with the
+    overrides; relative ones under the work directory, where qurl train runs): Slurm's, Ray's and the run's
+    logs share one directory, and the job name comes from the config file's name."""
+    script = render(_job(_config(tmp_path, "checkpoint:\n  dir: runs/a/ckpt\nlogging:\n  dir: runs/a/logs\n"),
+                         workdir=str(tmp_path)))
     assert _sbatch(script)["job-name"] == "sweep_a"
-    run = tmp_path.resolve() / "runs" / "sweep_a"
+    run = tmp_path.resolve() / "runs" / "a"
     assert _sbatch(script)["output"] == f"{run}/logs/%x-%j.out"
-    assert f"checkpoint.dir={run}/checkpoints logging.dir={run}/logs" in script
+    assert f"checkpoint.dir={run}/ckpt logging.dir={run}/logs" in script
     assert f'ray-$role-$node-$SLURM_JOB_ID.log' in script and f"log_dir={run}/logs" in script
-    named = render(_job(_config(tmp_path, ""), workdir=str(tmp_path), job_name="lr_1e-6"))
-    assert f"checkpoint.dir={tmp_path.resolve()}/runs/lr_1e-6/checkpoints" in named
+    swept = render(_job(_config(tmp_path, ""), workdir=str(tmp_path), job_name="lr_1e-6",
+                        overrides=["checkpoint.dir=/scratch/lr_1e-6"]))
+    assert f"checkpoint.dir=/scratch/lr_1e-6 logging.dir={tmp_path.resolve()}/runs/demo/logs" in swept
+    assert _sbatch(swept)["job-name"] == "lr_1e-6"
+    given = render(_job(_config(tmp_path, ""), workdir=str(tmp_path), ckpt_dir=str(tmp_path / "c")))
+    assert f"ckpt_dir={tmp_path.resolve()}/c" in given and f"checkpoint.dir={tmp_path.resolve()}/c " in given
+
+
+def test_a_launch_from_outside_the_checkout_renders_paths_that_exist_and_the_environment_it_ran_from(tmp_path,
+                                                                                                     monkeypatch):
+    """From another directory: the work directory is that one, the Ray script the checkout's by its absolute path,
+    and the environment activated the one this command runs in."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("model:\n  path: smollm2\nrollout:\n  mem_fraction: 0.4\n")
+    script = render(SlurmJob(nodes=1, gpus_per_node=0, config="run.yaml"))
+    assert f"workdir={tmp_path.resolve()}\n" in script
+    scripts = re.findall(r"bash (\S+ray_cluster.sh)", script)
+    assert scripts and all(Path(p).is_absolute() and Path(p).is_file() for p in scripts)
+    if sys.prefix != sys.base_prefix:  # the tests' virtual environment
+        assert f"export VIRTUAL_ENV={sys.prefix}\n" in script and 'export PATH="$VIRTUAL_ENV/bin:$PATH"' in script
+    conda = tmp_path / "conda"
+    (conda / "conda-meta").mkdir(parents=True)
+    (conda / "bin").mkdir()
+    (conda / "bin" / "python").symlink_to(sys.executable)
+    activated = render(SlurmJob(nodes=1, gpus_per_node=0, config="run.yaml", venv=str(conda)))
+    assert f"export CONDA_PREFIX={conda}\n" in activated and 'export PATH="$CONDA_PREFIX/bin:$PATH"' in activated
+    with pytest.raises(ValueError, match=r"--venv /nowhere: no Python environment there"):
+        render(SlurmJob(nodes=1, gpus_per_node=0, config="run.yaml", venv="/nowhere"))
+
+
+def test_no_sbatch_on_path_and_bad_options_end_with_rc_2_on_stderr(tmp_path, monkeypatch, capsys):
+    config = _config(tmp_path, "")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    argv = ["launch", "slurm", "--nodes", "1", "--gpus-per-node", "0", "--config", config, "--workdir", str(tmp_path)]
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ("qurl launch slurm: sbatch is not on PATH: run qurl launch slurm on a Slurm "
+                                         "login node, or with --dry-run to print the job script\n")
+    assert main([*argv, "--nodes", "0"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "--nodes must be at least 1" in out.err
 
 
 def test_layout_and_rollout_nodes_default_from_the_config(tmp_path):

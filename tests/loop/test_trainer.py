@@ -376,3 +376,59 @@ def test_a_non_finite_weight_is_named_where_the_weights_are_read(tmp_path):
             _trainer(f"model.path={model}")
     finally:
         destroy_parallel()  # the trainer that failed to start cannot close its own
+
+
+def test_a_micro_batch_reads_nothing_back_to_the_host():
+    """The loss and metrics of every micro-batch stay on the device (what would be a GPU synchronization is a
+    value read by the host: tests/host_syncs.py); the step reads the metrics back once."""
+    from tests.host_syncs import HostReads
+
+    trainer = _trainer("train.micro_batch_size=2")
+    try:
+        batch = _batch(trainer, behav_from_model=False)
+        reads, original = [], trainer._loss_forward
+
+        def counted(model_chunk, micro):
+            logits, loss_func = original(model_chunk, micro)
+
+            def loss_with_reads(out):
+                with HostReads() as r:
+                    result = loss_func(out)
+                reads.append(r.count)
+                return result
+
+            return logits, loss_with_reads
+
+        trainer._loss_forward = counted
+        reduce = trainer._reduce_metrics
+        records = []
+        trainer._reduce_metrics = lambda out: records.append(out) or reduce(out)
+        metrics = trainer.step(batch)
+        with HostReads() as r:
+            again = reduce(records[0])
+    finally:
+        trainer.close()
+    assert reads == [0, 0, 0]
+    assert r.count == 1 and again["loss/total"] == metrics["loss/total"]
+
+
+def test_a_micro_batch_without_response_tokens_adds_nothing_to_the_update():
+    """A micro-batch whose rows score no token (a DP rank short of rows gets a fully masked one) gives the
+    update of the batch without it, and the step is not skipped."""
+    updates = []
+    for drop in (False, True):
+        trainer = _trainer("train.micro_batch_size=2")
+        try:
+            batch = _batch(trainer, behav_from_model=False)
+            if drop:
+                batch = batch.select(slice(0, 4))
+            else:
+                batch.response_mask[4:] = False
+            before = _params(trainer)
+            metrics = trainer.step(batch)
+            updates.append({n: p - before[n] for n, p in _params(trainer).items()})
+        finally:
+            trainer.close()
+        assert metrics["train/skipped_nonfinite"] == 0.0
+    for name, update in updates[0].items():
+        torch.testing.assert_close(update, updates[1][name], rtol=1e-5, atol=1e-7, msg=name)

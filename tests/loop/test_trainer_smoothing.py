@@ -87,3 +87,25 @@ def test_push_folds_the_calibrated_scales_over_uaq_and_a_resume_pushes_the_same(
         assert all(torch.equal(resumed.smoothing_scales[k], scales[k]) for k in scales)
     finally:
         resumed.close()
+
+
+def test_calibration_runs_on_the_host_whatever_the_trainers_device():
+    """The HF model in fp32 would not fit beside the trainer on rank 0's GPU: the calibration never moves it to
+    the trainer's device. A trainer whose device holds no data (`meta`) still calibrates, and gets the scales of
+    the model on the host."""
+    import types
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qurl_mcore.megatron.gpt import load_hf_config
+    from qurl_mcore.models import resolve_model_path
+
+    cfg = load_config(None, ["model.path=tiny-llama", "precision=int8", "rollout.smoothing=0.5", "data.num_prompts=4"])
+    path = resolve_model_path(cfg.model.path)
+    rank0 = types.SimpleNamespace(hf_dir=path, hf=load_hf_config(path), cfg=cfg, recipe=cfg.recipe(),
+                                  device=torch.device("meta"))
+    scales = PolicyTrainer._calibrate(rank0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    want = calibrate(model, calibration_prompts(cfg, AutoTokenizer.from_pretrained(path)), rank0.hf,
+                     rank0.recipe.engine.groups, 0.5)
+    assert scales.keys() == want.keys() and all(torch.equal(scales[k], want[k]) for k in want)

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -35,7 +37,8 @@ def test_hf_to_megatron_to_hf_round_trip_is_exact(arch, megatron_ws1):
     if features(path).isdisjoint({"untied"}):
         original.pop("lm_head.weight", None)
     assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], original[k]) for k in original)
+    # the router's expert bias comes out in fp32 (test_expert_bias_stays_fp32_...), every other tensor in bf16
+    assert all(torch.equal(exported[k].to(original[k].dtype), original[k]) for k in original)
 
 
 @pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe", "qwen2", "llama", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"])
@@ -233,3 +236,82 @@ def test_an_upcycled_llama_in_megatron_computes_the_dense_model(megatron_ws1, tm
     original = read_hf_state(moe)
     exported = dict(kv for bucket in export_hf_weights(model, moe, dtype=torch.bfloat16) for kv in bucket)
     assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_expert_bias_stays_fp32_through_the_push_the_smoothed_push_and_the_written_checkpoint(megatron_ws1, tmp_path):
+    """DeepSeek-V3's e_score_correction_bias is fp32 in Megatron's router and in SGLang's gate: a bf16 copy
+    would move near-tie routes after the first push. A bias no bf16 value equals (1 + 2^-12, ...) leaves the
+    export, the smoothed push's cast and the HF checkpoint written by `qurl export` bit for bit, while the
+    linears take the export's dtype."""
+    from safetensors import safe_open
+
+    from qurl_mcore.megatron.export import write_hf_checkpoint
+    from qurl_mcore.smoothing import smooth_buckets
+
+    path = tiny_checkpoint("deepseek_v3")
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    name, router = "model.layers.1.mlp.gate.e_score_correction_bias", model.decoder.layers[1].mlp.router
+    bias = 1 + torch.arange(1, 9, dtype=torch.float32) * 2.0**-12
+    assert not torch.equal(bias.bfloat16().float(), bias)  # the test can fail: bf16 rounds this bias
+    router.expert_bias.copy_(bias)
+    exported = dict(kv for bucket in export_hf_weights(model, path, dtype=torch.bfloat16) for kv in bucket)
+    assert exported[name].dtype == torch.float32 and torch.equal(exported[name], bias)
+    assert exported["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    from qurl_mcore.megatron.convert import export_cast  # the cast the smoothed push applies after its fold
+
+    raw = export_hf_weights(model, path, dtype=None)
+    smoothed = dict(kv for b in smooth_buckets(raw, {}, {}, export_cast(path, torch.bfloat16)) for kv in b)
+    assert torch.equal(smoothed[name], bias) and smoothed["model.embed_tokens.weight"].dtype == torch.bfloat16
+    out = write_hf_checkpoint(model, path, tmp_path / "hf", dtype=torch.bfloat16)
+    with safe_open(str(next(out.glob("model-*.safetensors"))), "pt") as f:
+        assert torch.equal(f.get_tensor(name), bias)
+
+
+def _variant(dst, extra):
+    """A copy of tiny-deepseek_v3 (2 layers, the second MoE) with `extra(state)` applied to its tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(tiny_checkpoint("deepseek_v3"), dst)
+    state = load_file(path / "model.safetensors")
+    extra(state)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _with_mtp(state):
+    """DeepSeek-V3's multi-token-prediction module: layer num_hidden_layers (2 here), beyond the config's."""
+    state["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128, dtype=torch.bfloat16)
+    state["model.layers.2.enorm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+
+
+def _fp8(state):
+    """DeepSeek-V3's published format: an FP8 E4M3 weight and its fp32 scale per 128x128 block."""
+    name = "model.layers.0.self_attn.o_proj.weight"
+    w = state[name].float()
+    state[name] = w.to(torch.float8_e4m3fn)
+    state[name + "_scale_inv"] = torch.ones(-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+
+
+def test_an_fp8_checkpoint_and_mtp_layers_are_refused_by_name(megatron_ws1, tmp_path):
+    """An FP8 checkpoint loads as its codes without their block scales unless refused, MTP tensors would be
+    dropped without a word: both are refused naming what they are and the fix."""
+    for extra, said in ((_fp8, "an FP8 checkpoint"), (_with_mtp, "multi-token-prediction (MTP)")):
+        path = _variant(tmp_path / extra.__name__, extra)
+        with pytest.raises(ValueError, match=re.escape(said)):
+            load_hf_weights(build_gpt(path), path)
+
+
+@pytest.mark.slow  # two processes that import Megatron
+def test_mtp_layers_and_fp8_scales_are_refused_at_expert_parallel_2(tmp_path):
+    """At EP=2 no rank reads every tensor, so the unused-tensor guard cannot run there; both refusals do, on
+    every rank, while the plain checkpoint loads."""
+    from qurl_mcore.megatron.parallel import spawn
+
+    from . import workers
+
+    paths = [str(_variant(tmp_path / f.__name__, f)) for f in (_with_mtp, _fp8)] + [str(tiny_checkpoint("deepseek_v3"))]
+    for mtp, fp8, plain in spawn(workers.refusals, 2, paths):
+        assert "multi-token-prediction (MTP)" in mtp and "an FP8 checkpoint" in fp8 and plain == ""

@@ -67,6 +67,21 @@ def test_scope_all_adds_attention(megatron_ws1):
     assert "output_layer" not in names and not any("router" in n for n in names)
 
 
+def test_mla_keeps_its_latent_projections_full_precision_on_both_sides(megatron_ws1):
+    """SGLang decodes DeepSeek's MLA with W_uk, W_uv rebuilt in bf16 from the full-precision kv_b_proj on every
+    load and push: a quantized kv_b_proj would reach prefill only. Scope "all" quantizes q_b_proj and o_proj on
+    both sides, never kv_b_proj (Megatron's linear_kv_up_proj) or the down projections."""
+    from qurl_mcore.precision import quantized_linears
+
+    path = tiny_checkpoint("deepseek_v3")
+    names = {n.split(".", 3)[-1] for n in _quantized(build_gpt(path, recipe=resolve("fp4", "all")))
+             if ".self_attention." in n}
+    assert names == {"self_attention.linear_q_up_proj", "self_attention.linear_proj"}
+    for side in ("train", "rollout"):
+        attention = {n.split(".", 3)[-1] for n in quantized_linears(path, "fp4", "all", side) if ".self_attn." in n}
+        assert attention == {"self_attn.q_b_proj", "self_attn.o_proj"}
+
+
 def test_dense_experts_scope_is_the_mlp(megatron_ws1):
     names = _quantized(build_gpt(tiny_checkpoint("qwen3"), recipe=resolve("fp4_rc_train")))  # default scope: experts
     assert {n.split(".", 3)[-1] for n in names} == {"mlp.linear_fc1", "mlp.linear_fc2"}
@@ -219,3 +234,31 @@ def test_sdpa_attention_equals_megatrons_local_attention(megatron_ws1):
     got = SDPAttention(**args)(q, k, v, mask)
     # padding query positions attend to themselves (no fully masked row, logprobs.attention_mask_for): all agree
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_experts_see_token_counts_padded_to_16_whatever_the_routing(megatron_ws1):
+    """`fp8_e2e` on an MoE: each expert's fc1/fc2 gets the tokens the router gave it, any number, and TE's FP8
+    GEMMs take multiples of 16 rows. Megatron's SequentialMLP (the experts `gpt_spec` builds) pads each expert's
+    tokens to that multiple when the config has `fp8` (which `build_gpt` sets for a TE recipe) and drops the
+    padding's rows after: every expert linear sees a multiple of 16 rows, and the output is the unpadded one."""
+    model = build_gpt(tiny_checkpoint("qwen3_moe"))
+    experts = model.decoder.layers[0].mlp.experts
+    rows: list[int] = []
+    for expert in experts.local_experts:
+        for linear in (expert.linear_fc1, expert.linear_fc2):
+            linear.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
+    counts = torch.tensor([3, 17, 0, 9])  # any numbers: what a router gives
+    x = torch.randn(int(counts.sum()), model.config.hidden_size)
+    probs = torch.rand(int(counts.sum()))
+    with torch.no_grad():
+        plain, _ = experts(x, counts, probs)
+        assert sorted(rows) == [0, 0, 3, 3, 9, 9, 17, 17]  # the test sees the counts the experts get
+        rows.clear()
+        saved = experts.config.fp8, experts.config.fp8_recipe
+        experts.config.fp8, experts.config.fp8_recipe = "e4m3", "tensorwise"  # what build_gpt sets for TE
+        try:
+            padded, _ = experts(x, counts, probs)
+        finally:
+            experts.config.fp8, experts.config.fp8_recipe = saved
+    assert rows and all(r % 16 == 0 for r in rows), rows
+    torch.testing.assert_close(padded, plain)

@@ -128,3 +128,60 @@ def listening_addresses(rank: int) -> list[str]:
     t = torch.ones(1)
     dist.all_reduce(t)
     return sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"})
+
+
+def refusals(rank: int, paths: list) -> list[str]:
+    """What loading each checkpoint of `paths` into a tiny DeepSeek-V3 at EP=2 (each rank 4 of the 8 experts,
+    so no rank reads every tensor) raises on this rank ("" where it loads)."""
+    init_parallel(expert_parallel=2)
+    out = []
+    for path in paths:
+        try:
+            load_hf_weights(build_gpt(path), path)
+            out.append("")
+        except ValueError as err:
+            out.append(str(err))
+    return out
+
+
+#: (name, recipe) pairs whose grouped experts are compared with SequentialMLP: full precision, the FP4 rows,
+#: and per-token INT8 / FP8 (emulated) training of the experts
+def grouped_recipes():
+    from dataclasses import replace
+
+    from qurl_mcore.quant import make_spec
+
+    fp4 = resolve("fp4", "experts", "nvfp4")
+    return [("bf16", resolve("bf16")), ("fp4-nvfp4", fp4), ("fp4_rc-nvfp4", resolve("fp4_rc", "experts", "nvfp4")),
+            ("fp4_rc-mxfp4", resolve("fp4_rc", "experts", "mxfp4")),
+            ("int8", replace(fp4, fmt="int8", train=make_spec("rc_none", "int8"))),
+            ("fp8_e4m3", replace(fp4, fmt="fp8_e4m3", train=make_spec("rc_both", "fp8_e4m3")))]
+
+
+def grouped_vs_sequential(path, ids: torch.Tensor, recipe) -> dict:
+    """The largest |grouped − sequential| of the log-probs, of every gradient after backward of their sum, and of
+    every parameter after one Adam step, for models with the same weights that differ only in the experts
+    module; also the experts module each built."""
+    from qurl_mcore.megatron.spec import EXPERT_MODULES
+
+    out = {}
+    for experts in EXPERT_MODULES:
+        model = build_gpt(path, recipe=recipe, experts=experts)
+        load_hf_weights(model, path)
+        lp = token_logprobs(model, ids, grad=True).logprobs
+        lp.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        torch.optim.Adam(model.parameters(), lr=1e-3).step()
+        out[experts] = (lp.detach(), grads, {n: p.detach().clone() for n, p in model.named_parameters()},
+                        type(model.decoder.layers[0].mlp.experts).__name__)
+    (lp_g, grads_g, params_g, kind_g), (lp_s, grads_s, params_s, kind_s) = out["grouped"], out["sequential"]
+    diff = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in a)  # noqa: E731
+    return {"modules": (kind_g, kind_s), "logprobs": (lp_g - lp_s).abs().max().item(),
+            "grads": diff(grads_g, grads_s), "params": diff(params_g, params_s),
+            "expert_grad": max(g.abs().max().item() for n, g in grads_s.items() if "local_experts" in n)}
+
+
+def grouped_ep2(rank: int, path, ids: torch.Tensor) -> dict:
+    """`grouped_vs_sequential` for every `grouped_recipes` recipe at EP=2 (each rank holds 2 of the 4 experts)."""
+    init_parallel(expert_parallel=2)
+    return {name: grouped_vs_sequential(path, ids, recipe) for name, recipe in grouped_recipes()}

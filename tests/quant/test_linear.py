@@ -143,3 +143,17 @@ def test_spec_validation():
     assert (s.weight_granularity, s.act_granularity) == (PerRow(), PerToken())
     assert make_spec("rc_none", "int8", weight_granularity="block") == \
         make_spec("rc_none", "int8", weight_granularity=PerBlock((1, 128)))
+
+
+@pytest.mark.parametrize("mode,fmt", [("rc_both", "nvfp4"), ("rc_none", "int8"), ("rc_forward", "fp8_e4m3")])
+def test_training_gemm_reads_nothing_back_to_the_host(mode, fmt):
+    """QuantLinearFunction's forward and backward quantize W, X and dY with no value read back to the host (no
+    per-call GPU synchronization: tests/host_syncs.py)."""
+    from tests.host_syncs import HostReads
+
+    x = torch.randn(6, 64, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    with HostReads() as reads:
+        quant_linear(x, w, spec=make_spec(mode, fmt)).square().sum().backward()
+    assert reads.count == 0, reads.ops
+    assert x.grad.isfinite().all() and w.grad.isfinite().all()

@@ -152,3 +152,25 @@ def test_fp64_quotient_is_fp32_division_bitwise():
     b = (torch.rand(a.shape, generator=g) + 1.0) * torch.exp2(torch.randint(-20, 20, a.shape, generator=g).float())
     assert torch.equal(quotient_fp64(a, b), a / b)
     assert torch.equal(quotient(a, b), a / b)  # eager: fp32 division itself
+
+
+@pytest.mark.parametrize("fmt,granularity", [("int8", "token"), ("fp8_e4m3", "channel"), ("nvfp4", "block"),
+                                             ("mxfp4", "block")])
+def test_no_host_reads_quantizes_alike_without_reading_back_and_a_nan_propagates(fmt, granularity):
+    """Under `no_host_reads` quantize reads no value back to the host (the finiteness check that does is
+    skipped), gives the same codes and scales, and a non-finite input turns its group's values non-finite (NaN; inf under MXFP4, whose E8M0 NaN scale decodes so)."""
+    from qurl_mcore.quant.qtensor import no_host_reads
+    from tests.host_syncs import HostReads
+
+    x = torch.randn(4, 64)
+    with HostReads() as checked:
+        want = quantize(x, fmt, granularity)
+    with HostReads() as reads, no_host_reads():
+        got = quantize(x, fmt, granularity)
+    assert checked.count >= 1 and reads.count == 0, reads.ops
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale_fp32(), want.scale_fp32())
+    x[1, 2] = float("nan")
+    with no_host_reads():
+        values = quantize(x, fmt, granularity, batch_dims=1).dequantize()  # NVFP4: a global scale per row
+    assert not values[1].isfinite().all() and values[[0, 2, 3]].isfinite().all()

@@ -17,12 +17,14 @@ from qurl_mcore.rl.losses import LOSSES, aggregate, policy_loss
 #                 S4 (0.35, 0.5, 0.5):   R = 0.7, r = 1
 #                 S5 (0.65, 0.5, 0.25):  R = 1.3, r = 2,    ρ = 2.6
 #                 S7 (0.7, 0.5, 0.625):  R = 1.4, r = 0.8,  ρ = 1.12
+#                 S8 (0.25, 0.5, 0.25):  R = 0.5, r = 2,    ρ = 1
 S1 = (0.55, 0.5, 0.4)
 S2 = (0.45, 0.5, 0.625)
 S3 = (0.65, 0.5, 0.5)
 S4 = (0.35, 0.5, 0.5)
 S5 = (0.65, 0.5, 0.25)
 S7 = (0.7, 0.5, 0.625)
+S8 = (0.25, 0.5, 0.25)
 HAND_CASES = [
     # ppo: min(R·A, clip(R)·A); π_behav plays no part.
     ("ppo", S1, +1, {}, -1.1, -1.1),  # R inside [0.8, 1.2]: J = 1.1, dJ/dlogπ = R·A
@@ -67,6 +69,14 @@ HAND_CASES = [
     ("acr_symmetric", S1, -1, {}, 1.375, 1.375),
     ("acr_symmetric", S2, +1, {}, -0.72, -0.72),  # [1.0, 1.5], R = 0.9: min(0.9, 1.0) = 0.9, J = 0.72
     ("acr_symmetric", S2, -1, {}, 0.8, 0.0),  # min(−0.9, −1.0) = −1.0: J = 0.8·(−1.0), flat (acr is not)
+    ("acr_symmetric", S5, +1, {"tis_cap": 1.5}, -0.9, 0.0),  # [0.4, 0.6] (r = 2, not C): J = 1.5·0.6, flat
+    ("acr_symmetric", S8, -1, {"tis_cap": 1.5}, 0.75, 0.75),  # [0.4, 0.6], R = 0.5 inside: J = 1.5·(−0.5)
+    # acr_trunc: r̃ = min(r, C), r̃·min(R·A, clip(R, 0.8/r̃, 1.2/r̃)·A) = min(ρ̃·A, clip(ρ̃)·A), ρ̃ = r̃R.
+    ("acr_trunc", S1, +1, {}, -1.2, 0.0),  # r̃ = r = 1.25: [0.64, 0.96], R = 1.1 above: J = 1.25·0.96
+    ("acr_trunc", S1, -1, {}, 1.375, 1.375),  # min(−1.1, −0.96) = −1.1: J = 1.25·(−1.1)
+    ("acr_trunc", S5, +1, {"tis_cap": 1.5}, -1.2, 0.0),  # r̃ = 1.5: [0.533, 0.8], R = 1.3: J = 1.5·0.8, flat
+    ("acr_trunc", S5, -1, {"tis_cap": 1.5}, 1.95, 1.95),  # min(−1.3, −0.8) = −1.3: J = 1.5·(−1.3)
+    ("acr_trunc", S8, -1, {"tis_cap": 1.5}, 0.8, 0.0),  # R = 0.5 < 0.8/1.5: min(−0.5, −0.533): J = −0.8, flat
 ]
 
 
@@ -283,7 +293,7 @@ def _loss_and_grad(d, method, prox, behav, **kw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(d=batches(), method=st.sampled_from(["decoupled", "tis", "mis", "acr", "acr_symmetric"]))
+@given(d=batches(), method=st.sampled_from(["decoupled", "tis", "mis", "acr", "acr_symmetric", "acr_trunc"]))
 def test_off_policy_methods_reduce_to_ppo_when_behav_equals_prox(d, method):
     want_loss, want_grad, _ = _loss_and_grad(d, "ppo", d["prox"], d["prox"])
     loss, grad, _ = _loss_and_grad(d, method, d["prox"], d["prox"])
@@ -323,6 +333,18 @@ def test_acr_symmetric_is_naive_while_r_is_under_the_cap():
     torch.testing.assert_close(loss, want_loss)
     torch.testing.assert_close(grad, want_grad)
     assert (want_grad == 0).any() and (want_grad != 0).any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(d=batches(), cap=st.sampled_from([1.0, 1.25, 2.0, 5.0]))
+def test_acr_trunc_is_naive_on_the_truncated_behaviour_policy(d, cap):
+    # QuRL §4.2: π_behav^trunc = max(π_behav, π_prox/C); clipping ρ̃ = π_θ/π_behav^trunc to [1 − eps_low, 1 + eps_high]
+    # is the naive objective with π_behav^trunc in place of π_behav.
+    truncated = torch.maximum(d["behav"], d["prox"] - math.log(cap))
+    want_loss, want_grad, _ = _loss_and_grad(d, "naive", d["prox"], truncated)
+    loss, grad, _ = _loss_and_grad(d, "acr_trunc", d["prox"], d["behav"], tis_cap=cap)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
 
 
 @settings(max_examples=60, deadline=None)

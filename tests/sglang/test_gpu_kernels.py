@@ -15,7 +15,7 @@ from ..conftest import requires_cuda
 def test_sglang_w8a8_kernels_match_the_qurl_forward(fmt):
     from qurl_mcore.sglang import kernels
 
-    if not kernels.available(get_format(fmt), torch.device("cuda")):
+    if not kernels.linear_available(get_format(fmt), torch.device("cuda")):
         pytest.skip(f"SGLang has no {fmt} per-channel kernel on this GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 512, device="cuda", generator=gen).bfloat16()

@@ -13,7 +13,6 @@ from qurl_mcore.recipe import engine_recipe, resolve
 from qurl_mcore.sglang import METHODS, QurlOptions, register
 from qurl_mcore.sglang import weights
 from qurl_mcore.sglang.architecture import checkpoint_prefix, fused_moe_class
-from tests.conftest import requires_cuda
 
 
 def test_options_defaults_and_validation():
@@ -62,8 +61,9 @@ SGLANG_MODULES = {
                   "mlp.experts": "experts", "mlp.shared_expert.gate_up_proj": "shared_experts",
                   "mlp.shared_expert.down_proj": "shared_experts", "mlp.shared_expert_gate": None},
 }
-_MLA = {"self_attn.fused_qkv_a_proj_with_mqa": None, "self_attn.q_b_proj": "attention",  # q_a, kv_a: "latent"
-        "self_attn.kv_b_proj": "attention", "self_attn.o_proj": "attention"}
+# q_a, kv_a and kv_b: "latent", never quantized (SGLang decodes with W_uk, W_uv rebuilt in bf16 from kv_b_proj)
+_MLA = {"self_attn.fused_qkv_a_proj_with_mqa": None, "self_attn.q_b_proj": "attention",
+        "self_attn.kv_b_proj": None, "self_attn.o_proj": "attention"}
 _GQA = {"self_attn.qkv_proj": "attention", "self_attn.o_proj": "attention"}
 _DENSE = {"mlp.gate_up_proj": "mlp", "mlp.down_proj": "mlp"}
 _SHARED_MOE = {"mlp.gate": None, "mlp.experts": "experts", "mlp.shared_experts.gate_up_proj": "shared_experts",
@@ -104,6 +104,50 @@ def test_a_qurl_mixtral_is_built_as_sglangs_fused_moe_class():
                      None: "MixtralForCausalLM"}
 
 
+@pytest.mark.parametrize("scope", ["experts", "all"])
+def test_no_qurl_method_lets_sglang_fuse_the_shared_expert(scope):
+    """SGLang fuses a shared expert into the routed experts' FusedMoE on CUDA (SM >= 80, EP 1) unless the quant
+    config says it cannot; the plugin's tables, the trainer and the symmetry check hold it as its own linears,
+    so no qurl method can. DeepSeek-V3's gate asks first of all, before any CUDA condition, so its answer on
+    this CPU is the one a GPU gets."""
+    from sglang.srt.models.deepseek_common.utils import quant_blocks_shared_experts_fusion
+    from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
+    from transformers import AutoConfig
+
+    from qurl_mcore.sglang.quant_config import CONFIGS
+
+    hf = AutoConfig.from_pretrained(tiny_checkpoint("deepseek_v3"))
+    for method, cls in CONFIGS.items():
+        config = cls(QurlOptions.parse(method, {"scope": scope}))
+        assert config.can_fuse_shared_expert() is False and quant_blocks_shared_experts_fusion(config), method
+        assert "higher precision" in DeepseekV3ForCausalLM.shared_experts_fusion_disable_reason(hf, config)
+
+
+def test_a_quantized_engine_turns_sglangs_shared_expert_fusion_off_in_its_server_args():
+    """GLM-4.5's fusion gate never asks the quant config: only the server argument turns fusion off. SGLang's
+    own ServerArgs, built from the engine's arguments and published, carry it as SGLang's MoE settings read it;
+    a BF16 engine keeps SGLang's default."""
+    from sglang.srt.layers.moe.utils import resolve_shared_experts_config
+    from sglang.srt.models.glm4_moe import Glm4MoeForCausalLM
+    from sglang.srt.runtime_context import create_context, get_exec, use_context
+    from sglang.srt.server_args import ServerArgs
+    from transformers import AutoConfig
+
+    from qurl_mcore.rollout import EngineConfig
+    from qurl_mcore.sglang.quant_config import CONFIGS
+
+    register()
+    path = str(tiny_checkpoint("glm4_moe"))
+    quantized = EngineConfig(path, "qurl_fp4_rc", device="cpu")
+    assert "--disable-shared-experts-fusion" in quantized.server_argv("127.0.0.1", 30000)
+    assert "disable_shared_experts_fusion" not in EngineConfig(path, device="cpu").engine_kwargs()
+    with use_context(create_context(ServerArgs(**quantized.engine_kwargs()), role="scheduler")):
+        assert get_exec().moe.disable_shared_experts_fusion is True
+        layout = resolve_shared_experts_config(Glm4MoeForCausalLM, AutoConfig.from_pretrained(path),
+                                               CONFIGS["qurl_fp4_rc"]())
+    assert layout.fusion_disabled and layout.num_fused_shared_experts == 0
+
+
 def test_requant_picks_the_quantizer_of_linears_and_experts():
     from qurl_mcore.quant import quantize_weight_compiled
     from qurl_mcore.sglang.linear import QurlLinearMethod
@@ -139,27 +183,6 @@ def test_store_rewrites_in_place(fmt):
     assert kept is old and (old.data.data_ptr(), old.scale.data_ptr()) == ptrs
     assert torch.equal(kept.dequantize(), new.dequantize())
     assert weights.store(old, quantize_weight(torch.randn(16, 64), spec)) is not old  # other shape: replaced
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])])
-def test_a_host_master_is_written_where_it_waits_and_quantized_at_home(device):
-    """The weight-update cycle with master="host": the Parameter goes back on the layer where it waits (pinned
-    host memory; no full-precision copy on the device for the session), and the quantized copy is made at the
-    layer's home from a copy of one weight. On the CPU home and host coincide."""
-    layer = torch.nn.Module()
-    layer.register_parameter("weight", torch.nn.Parameter(torch.randn(32, 64, device=device), requires_grad=False))
-    spec = make_spec("rc_none", "int8")
-    assert weights.home(layer, "weight") == layer.weight.device
-    weights.detach_master(layer, "weight", host=True)
-    weights.attach_master(layer, "weight")
-    assert layer.weight.device.type == "cpu" and (device == "cpu" or layer.weight.is_pinned())
-    new = torch.randn(32, 64, device=device)
-    layer.weight.data.copy_(new)  # what SGLang's loader does
-    got = quantize_weight(weights.at_home(layer, "weight", layer.weight.data), spec)
-    assert got.data.device == new.device
-    assert torch.equal(got.dequantize(), quantize_weight(new, spec).dequantize())
-    w = layer.weight.data
-    assert (weights.at_home(layer, "weight", w).data_ptr() == w.data_ptr()) == (device == "cpu")  # no copy at home
 
 
 @pytest.mark.parametrize("method,fmt", [("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"),

@@ -1,5 +1,6 @@
 """Prompt loading, the synthetic task, and rewards."""
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -39,10 +40,13 @@ def test_null_answers_and_empty_prompts_are_bad_rows(tmp_path):
 
 def test_parquet_with_chat_prompts(tmp_path):
     path = tmp_path / "math.parquet"
-    table = pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "Compute 1/2+1/4."}], "solution": "3/4"}])
+    table = pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "Compute 1/2+1/4."}], "solution": "3/4",
+                                   "reward_model": {"style": "rule", "ground_truth": "3/4"}}])
     pq.write_table(table, path)
     (ex,) = load_examples(path, prompt_key="prompt", answer_key="solution")
     assert ex.messages == ({"role": "user", "content": "Compute 1/2+1/4."},) and ex.answer == "3/4"
+    # verl's parquet files: reward_model is a struct column, read as the object it is
+    assert load_examples(path, prompt_key="prompt", answer_key="reward_model.ground_truth") == [ex]
 
 
 def test_bad_prompt_files_are_explained(tmp_path):
@@ -54,7 +58,8 @@ def test_bad_prompt_files_are_explained(tmp_path):
         load_examples(bad)
     keys = tmp_path / "keys.jsonl"
     keys.write_text('{"question": "q", "answer": "1"}\n\n{"problem": "q", "answer": "1"}\n')
-    with pytest.raises(ValueError, match=r"keys.jsonl:3 has no \['question'\] .*set data.prompt_key"):
+    with pytest.raises(ValueError, match=r"keys.jsonl:3 has no 'question' \(the row has \['answer', 'problem'\]\); "
+                                         "set data.prompt_key"):
         load_examples(keys)
     assert len(load_examples(keys, limit=1)) == 1  # a sample check reads only the first rows
     rows = tmp_path / "rows.jsonl"
@@ -67,6 +72,60 @@ def test_bad_prompt_files_are_explained(tmp_path):
     with pytest.raises(ValueError, match="use .jsonl or .parquet"):
         (tmp_path / "x.csv").write_text("a,b\n")
         load_examples(tmp_path / "x.csv")
+
+
+def _verl_rows(path, n=3):
+    """Rows as verl's data preprocessing writes them (examples/data_preprocess/gsm8k.py): a chat prompt, the
+    answer in a reward-model object, and columns the run does not read."""
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + 2?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i + 2)},
+             "extra_info": {"split": "train", "index": i}} for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_verl_layout_nested_keys_and_the_reward_model_object(tmp_path):
+    """verl's answer lives in reward_model.ground_truth: named by its dotted key, or by reward_model alone (its
+    ground_truth taken, never the object's text); a dotted key that is not there is named with what is."""
+    path = _verl_rows(tmp_path / "verl.jsonl")
+    nested = load_examples(path, prompt_key="prompt", answer_key="reward_model.ground_truth")
+    assert [e.answer for e in nested] == ["2", "3", "4"]
+    assert nested[1].messages == ({"role": "user", "content": "What is 1 + 2?"},)
+    assert load_examples(path, prompt_key="prompt", answer_key="reward_model") == nested
+    with pytest.raises(ValueError, match=r"verl.jsonl:1 has no 'reward_model.truth' \(reward_model has "
+                                         r"\['ground_truth', 'style'\]\)"):
+        load_examples(path, prompt_key="prompt", answer_key="reward_model.truth")
+    with pytest.raises(ValueError, match=r"the answer \('extra_info'\) is \{\"split\": .*not a string or a number.*"
+                                         r"data.answer_key=extra_info.split"):
+        load_examples(path, prompt_key="prompt", answer_key="extra_info")
+
+
+@pytest.mark.parametrize("answer,shown", [([4], "[4]"), ({"v": 6}, '{"v": 6}'), (True, "true")])
+def test_answers_of_other_types_are_refused_not_turned_into_text(tmp_path, answer, shown):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": answer}) + "\n")
+    with pytest.raises(ValueError, match=rf"p.jsonl:1: the answer \('answer'\) is {re.escape(shown)}, not a string "
+                                         "or a number"):
+        load_examples(path)
+    path.write_text(json.dumps({"question": "q", "answer": 72}) + "\n" + json.dumps({"question": "q", "answer": 0.5}))
+    assert [e.answer for e in load_examples(path)] == ["72", "0.5"]  # numbers are answers
+
+
+def test_a_directory_given_as_the_prompt_file_is_named_a_directory(tmp_path):
+    _verl_rows(tmp_path / "train.jsonl")
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path} is a directory; give one .jsonl or .parquet file "
+                                                r"\(it holds train.jsonl\)"):
+        load_examples(tmp_path)
+
+
+def test_a_chat_prompt_is_the_example_the_same_plain_prompt_is(tmp_path):
+    """A list of messages becomes the example a plain prompt's user turn does, so the loop renders both through
+    the model's chat template alike (`chat_ids`)."""
+    (chat,) = load_examples(_verl_rows(tmp_path / "verl.jsonl", 1), prompt_key="prompt",
+                            answer_key="reward_model.ground_truth")
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"question": "What is 0 + 2?", "answer": "2"}) + "\n")
+    assert load_examples(plain) == [chat]
 
 
 def test_addition_examples_are_deterministic_and_correct():

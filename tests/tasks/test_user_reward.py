@@ -50,6 +50,8 @@ def test_a_batched_reward_of_the_wrong_length_is_counted():
     (f"{HERE}:missing", "tests.tasks.user_rewards has no 'missing'"),
     (f"{HERE}:NOT_A_FUNCTION", "is a int, not a function"),
     (f"{HERE}:one_argument", "must take (response: str, answer: str)"),
+    ("tests.tasks.raising_reward:score", "importing tests.tasks.raising_reward raised RuntimeError: this module "
+                                         "needs a GPU to import; fix the module"),
 ])
 def test_check_imports_the_reward_and_checks_its_signature(name, message):
     cfg = load_config(None, [f"data.reward={name}"])
@@ -63,3 +65,12 @@ def test_check_passes_a_good_reward_and_the_config_refuses_a_name_of_neither_for
     with pytest.raises(ConfigError, match=r"data.reward: must be one of \['math', 'first_number'\] or "
                                           r"package.module:function, got 'maths'"):
         load_config(None, ["data.reward=maths"])
+
+
+def test_a_reward_module_that_raises_on_import_ends_the_check_with_rc_2_and_one_line(tmp_path, capsys):
+    from qurl_mcore.cli import main
+
+    assert main(["train", "--check", "model.path=tiny-llama", "data.reward=tests.tasks.raising_reward:score",
+                 f"checkpoint.dir={tmp_path}/c", f"logging.dir={tmp_path}/l"]) == 2
+    err = capsys.readouterr().err
+    assert "data.reward: tests.tasks.raising_reward:score: importing" in err and "Traceback" not in err

@@ -8,6 +8,10 @@ def exact(response: str, answer: str) -> float:
     return float(response.strip() == answer)
 
 
+def numeric(response: str, answer: str) -> float:
+    return float(float(response) == float(answer))
+
+
 def lengths(responses: list[str], answers: list[str]) -> list[float]:
     if "boom" in answers:
         raise RuntimeError("the batch fails as a whole")
