@@ -310,18 +310,18 @@ def test_two_mini_batches_train_against_the_pre_update_policy():
 def test_a_failing_export_is_the_trainers_error_not_an_engines(monkeypatch):
     """An error inside the export (a missing tensor, out of memory in the smoothing fold) is raised while the
     engine client consumes the stream; it ends the run as the trainer's, and no engine is blamed or restarted."""
-    import qurl_mcore.megatron as megatron
+    import qurl_mcore.megatron.convert as convert
     from qurl_mcore.loop.sampler import engine_config
     from qurl_mcore.loop.trainer import WeightExportError
 
-    export = megatron.export_hf_weights
+    export = convert.export_hf_weights
 
     def export_failing_after_one_bucket(*args, **kwargs):
         stream = export(*args, **kwargs)
         yield next(stream)
         raise KeyError("model.layers.1.mlp.up_proj.weight")
 
-    monkeypatch.setattr(megatron, "export_hf_weights", export_failing_after_one_bucket)
+    monkeypatch.setattr(convert, "export_hf_weights", export_failing_after_one_bucket)
     trainer = _trainer("rollout.push_bucket_mb=1")
     try:
         engine = _RecordingEngine(engine_config(trainer.cfg, trainer.recipe.engine, str(trainer.hf_dir), "cpu"))
