@@ -263,6 +263,8 @@ def interpreted():
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("triton was imported before the interpreter was switched on: run the CPU check first")
     os.environ["TRITON_INTERPRET"] = "1"
+    # the interpreter's corrections live with the tests (they change no GPU code): the repo root holds `tests`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tests.kernels.interpreter import corrected_bf16
 
     with corrected_bf16():

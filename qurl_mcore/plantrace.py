@@ -4,7 +4,8 @@
 Trainer: the rank of the fullest pipeline stage (the one `sizing.memory.trainer_bytes` plans) is built as
 `loop.trainer.PolicyTrainer` builds it, at the model's full size from its config.json or architecture card (no
 weights are read: a fake tensor has no values), and stepped once on one micro-batch of
-`train.micro_batch_size` rows of `rollout.context_length` tokens on every data-parallel rank. Its peak is the
+`train.micro_batch_size` rows of `rollout.context_length` tokens on every data-parallel rank (an MoE's tokens
+routed as a balanced router routes them: `fakecuda._Tracer`). Its peak is the
 most CUDA bytes alive at once over the build and the step (forward, backward, Megatron's DDP reduce, the
 optimizer's update: a traced step never reads a loss or a norm, so the update is always taken, and the
 optimizer's states are allocated as at a real first step), then a push's export: every HF tensor gathered from
@@ -35,17 +36,46 @@ from .sizing.verdict import export_bytes
 
 #: a traced peak further than this from the plan's is a disagreement (`qurl plan --trace` says so)
 TOLERANCE = 0.15
-#: a model with more layers per pipeline stage than this is traced at 1 and 2 layers per stage and each phase's
-#: peak extrapolated to the whole stack (every term the plan has is linear in the layers of a stage)
+#: a pipeline stage with more layers than this is traced with fewer, of each kind it holds (dense, moe): 1 of each,
+#: then one more of each kind in turn, and each phase's peak extrapolated to the stage's layers (every term the plan
+#: has is linear in the layers of each kind)
 MAX_TRACED_LAYERS = 8
 #: `qurl plan --gpu` names -> the façade's GPUs (`fakecuda.GPUS`)
 _FAKE_GPU = {"h100-80g": "H100-80GB", "h200-141g": "H200", "b200-180g": "B200"}
 _PLAN_GPU = {v: k for k, v in _FAKE_GPU.items()}
-#: why a mixture-of-experts trainer rank is traced through its build only
-MOE_STEP = ("Megatron's all-to-all token dispatcher copies the tokens per expert to the host to size its "
-            "collectives (token_dispatcher.py, maybe_move_tensor_to_cpu), and a fake tensor has no values to copy")
 #: the phases of a step whose peaks are measured apart (in this order)
 PHASES = ("build", "before_training", "forward_backward", "optimizer", "update_capture", "push")
+#: the kinds of decoder layer a stage holds, as `traced_layers` names them
+KINDS = ("dense", "moe")
+
+
+def stage_layers(s, cfg: Config, stage: int) -> dict[str, int]:
+    """The layers of each kind (`KINDS`) on pipeline stage `stage`: the model's dense prefix
+    (`first_k_dense_replace`; every layer of a dense model) falls on the first stages."""
+    per = s.layers // cfg.train.pp_size
+    dense = min(per, max(0, s.dense_layers - stage * per)) if s.experts else per
+    return {"dense": dense, "moe": per - dense}
+
+
+def traced_models(layers: dict[str, int]) -> list[dict[str, int]]:
+    """The layer counts of the fullest stage to trace: all of them when there are at most `MAX_TRACED_LAYERS`, else
+    one of each kind present, then that plus one more of each kind in turn."""
+    if sum(layers.values()) <= MAX_TRACED_LAYERS:
+        return [layers]
+    base = {k: min(n, 1) for k, n in layers.items()}
+    return [base] + [{**base, kind: 2} for kind, n in layers.items() if n]
+
+
+def extrapolate(runs: list[dict[str, int]], models: list[dict[str, int]], layers: dict[str, int]) -> dict[str, int]:
+    """Each measured figure at the stage's `layers`, from traces of the `models` layer counts (`traced_models`):
+    f(layers) = f(base) + Σ_kind (layers[kind] − base[kind])·(f(base + 1 of kind) − f(base))."""
+    (base, *steps), (first, *others) = runs, models
+    out = {}
+    for key in base:
+        out[key] = base[key] + sum((layers[kind] - first[kind]) * (run[key] - base[key])
+                                   for run, model in zip(steps, others) for kind in KINDS
+                                   if model[kind] != first[kind])
+    return out
 
 
 def trace_trainer(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeout: float = 900.0) -> dict[str, Any]:
@@ -53,53 +83,60 @@ def trace_trainer(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeo
     `measured_peak_bytes` and `planned_peak_bytes` (the plan's peak with a push's export, `peak_with_push`),
     the peak of each phase (`phases`: the states after the build, what runs before training (no-grad log-prob
     passes, the update-capture metric's copy), the forward and backward, the optimizer's update, the
-    update-capture metric after it, a push's export), the layers traced per pipeline stage, and the seconds the
-    trace took."""
+    update-capture metric after it, a push's export), the stage's layers of each kind (`stage_layers`) and those
+    traced (`traced_layers`: one entry per traced model), the host synchronizations of one step (`host_syncs`,
+    extrapolated like the peaks; `host_sync_sites` of the largest traced model), and the seconds the trace
+    took."""
 
     s = shape(hf)
     plan = trainer_bytes(s, cfg)
-    export = export_bytes(cfg, plan, push_bytes(s, cfg))
     t = cfg.train
     world = t.tp_size * t.pp_size * t.dp_size
     # the first rank of the fullest stage: Megatron's rank order puts the pipeline stage outermost
     rank = plan["stage"] * (world // t.pp_size)
-    per_stage = s.layers // t.pp_size
-    step = not s.experts
+    layers = stage_layers(s, cfg, plan["stage"])
+    models = traced_models(layers)
     start = time.perf_counter()
-    if per_stage <= MAX_TRACED_LAYERS:
-        phases, traced = run_traced(_trainer_step, cfg, hf, rank, world, gpu, step, timeout=timeout), per_stage
-        phases.pop("push_start")
-    else:  # per phase: p(L) = p(2) + (L − 2)·(p(2) − p(1)), L layers per stage
-        one, two = (run_traced(_trainer_step, cfg, {**hf, "num_hidden_layers": n * t.pp_size}, rank, world, gpu,
-                               step, timeout=timeout) for n in (1, 2))
-        phases = {k: two[k] + (per_stage - 2) * (two[k] - one[k]) for k in two}
-        # but the push's: the states it starts from grow with the layers, its gathered tensor and bucket do not
-        start = phases.pop("push_start")
-        phases["push"] = start + max(r["push"] - r["push_start"] for r in (one, two))
-        traced = [1, 2]
-    which = "distributed" if plan["distributed_optimizer"] else "replicated"
-    out = {"measured_peak_bytes": max(phases.values()), "planned_peak_bytes": max(plan["peak"], export),
-           "step_traced": step, "phases": phases,
+    runs = [run_traced(_trainer_step, cfg, _with_layers(hf, s, cfg, plan["stage"], model), rank, world, gpu,
+                       timeout=timeout) for model in models]
+    sites = runs[-1].pop("host_sync_sites")
+    for run in runs[:-1]:
+        run.pop("host_sync_sites")
+    measured = extrapolate(runs, models, layers)
+    if len(models) > 1:  # but the push's: the states it starts from grow with the layers, its gathered tensor
+        # and bucket do not
+        measured["push"] = measured["push_start"] + max(r["push"] - r["push_start"] for r in runs)
+    measured.pop("push_start")
+    syncs = measured.pop("host_syncs")
+    phases = {k: measured[k] for k in PHASES}
+    out = {"measured_peak_bytes": max(phases.values()), "planned_peak_bytes": max(plan["peak"], export_bytes(
+        cfg, plan, push_bytes(s, cfg))), "phases": phases,
            "planned": {"static": plan["static"], "activations": plan["activations"][t.recompute],
-                       "update_capture": plan["update_capture"], "push": export},
-           "rank": rank, "world_size": world, "layers_traced_per_stage": traced}
-    if not step:  # the build and a push only: the states without Adam's (a first update allocates them)
-        adam = plan["optimizer"][which]
-        out.update(planned_peak_bytes=max(plan["static"], export) - adam, why=MOE_STEP)
-        out["planned"]["push"] -= adam
+                       "update_capture": plan["update_capture"], "push": export_bytes(cfg, plan, push_bytes(s, cfg))},
+           "rank": rank, "world_size": world, "stage_layers": layers,
+           "traced_layers": {k: max(m[k] for m in models) for k in KINDS}, "traced_models": models,
+           "host_syncs": syncs, "host_sync_sites": sites}
     return {**out, "seconds": round(time.perf_counter() - start, 1)}
 
 
-def _trainer_step(cfg: Config, hf: dict[str, Any], rank: int, world: int, gpu: str, step: bool) -> dict[str, int]:
-    """In the traced process: build the trainer rank, (`step`) step it once and export a push
-    (`trace_trainer`); the peak CUDA bytes of each of `PHASES` (the build's and the push's only without a
-    step)."""
+def _with_layers(hf: dict[str, Any], s, cfg: Config, stage: int, model: dict[str, int]) -> dict[str, Any]:
+    """config.json `hf` cut to `model`'s layers on every pipeline stage, stage `stage`'s dense ones first."""
+    n = sum(model.values())
+    out = {**hf, "num_hidden_layers": n * cfg.train.pp_size}
+    if s.experts and "first_k_dense_replace" in hf:
+        out["first_k_dense_replace"] = stage * n + model["dense"] if model["dense"] else 0
+    return out
+
+
+def _trainer_step(cfg: Config, hf: dict[str, Any], rank: int, world: int, gpu: str) -> dict[str, Any]:
+    """In the traced process: build the trainer rank, step it once and export a push (`trace_trainer`); the peak
+    CUDA bytes of each of `PHASES`, and the host synchronizations of the step (count and sites)."""
     # Megatron-Core, in the traced process only
     import qurl_mcore.megatron as megatron
     import qurl_mcore.megatron.training as training
     from qurl_mcore.loop.trainer import PolicyTrainer
 
-    peaks: dict[str, int] = {}
+    peaks: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(hf))
         cfg = copy.deepcopy(cfg)
@@ -120,6 +157,7 @@ def _trainer_step(cfg: Config, hf: dict[str, Any], rank: int, world: int, gpu: s
                         mark(name)
                 return run
 
+            _uniform_pipeline_shapes()
             training.forward_backward = phase("forward_backward", training.forward_backward)
             # a traced loss and norm have no values (they read 1): take the update, as a finite step does
             take = phase("optimizer", training.step)
@@ -129,14 +167,34 @@ def _trainer_step(cfg: Config, hf: dict[str, Any], rank: int, world: int, gpu: s
             # as the states do: a peak of 1 or 2 layers does not extrapolate)
             peaks["build"] = torch.cuda.memory_allocated()
             trace.reset_peak()
-            if step:
-                _step(trainer, cfg)
-            mark("update_capture" if step else "build")
+            before, sites = trace.host_syncs, copy.copy(trace.sync_sites)
+            _step(trainer, cfg)
+            peaks["host_syncs"] = trace.host_syncs - before
+            peaks["host_sync_sites"] = dict(trace.sync_sites - sites)
+            mark("update_capture")
             peaks["push_start"] = torch.cuda.memory_allocated()  # what the push starts from (trace_trainer)
             _push(trainer)
             mark("push")
             trainer.close()
-    return {k: peaks[k] for k in (*PHASES, "push_start") if k in peaks}
+    return peaks
+
+
+def _uniform_pipeline_shapes() -> None:
+    """Pipeline stages exchange each micro-batch's activation shape (`variable_seq_lengths`) as tensors, whose
+    values a trace does not have: every micro-batch of the traced step has the shape the schedule computes from
+    its sequence length and micro-batch size, so the traced stages take that one."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    communicate = P2PCommunicator._communicate
+
+    def uniform(self, *args, **kwargs):
+        saved, self.config.variable_seq_lengths = self.config.variable_seq_lengths, False
+        try:
+            return communicate(self, *args, **kwargs)
+        finally:
+            self.config.variable_seq_lengths = saved
+
+    P2PCommunicator._communicate = uniform
 
 
 def _step(trainer, cfg: Config) -> None:
@@ -166,11 +224,12 @@ def _push(trainer) -> None:
 def trace_engine(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeout: float = 900.0) -> dict[str, Any]:
     """One engine GPU's weights after a load, traced: the plugin's quantizer (`sglang.linear.QurlLinearMethod`,
     what `process_weights_after_loading` runs on every load and push) on this GPU's shard (rows /
-    rollout.tp_size) of each linear of one decoder layer that the engines quantize, times the layers, plus every
-    other tensor in rollout.dtype (norms and routers whole, the rest /TP). `measured_peak_bytes` is that
-    residency plus the most the quantization of one tensor holds besides; `planned_peak_bytes` the plan's
-    weights per GPU (`engine_bytes(...)["weights"]["gpu_weights"]`). The KV cache and SGLang's reserve
-    (the rest of the plan's engine peak) are not traced: SGLang's model runner cannot start on the façade
+    rollout.tp_size) of each linear that the engines quantize in the first decoder layer of each kind (dense,
+    moe), times the layers of that kind, plus every other tensor in rollout.dtype (norms and routers whole, the
+    rest /TP). `measured_peak_bytes` is that residency plus the most the quantization of one tensor holds
+    besides; `planned_peak_bytes` the plan's weights per GPU (`engine_bytes(...)["weights"]["gpu_weights"]`);
+    `host_syncs` those of one load (extrapolated like the bytes). The KV cache and SGLang's reserve (the rest
+    of the plan's engine peak) are not traced: SGLang's model runner cannot start on the façade
     (docs/plan.md)."""
 
     s = shape(hf)
@@ -179,12 +238,13 @@ def trace_engine(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeou
     out = run_traced(_engine_weights, cfg, hf, gpu, timeout=timeout)
     return {"measured_peak_bytes": out["weights"] + out["transient"], "planned_peak_bytes": plan["weights"]["gpu_weights"],
             "measured_weight_bytes": out["weights"], "quantize_transient_bytes": out["transient"],
+            "traced_layers": out["traced_layers"], "host_syncs": out["host_syncs"],
             "not_traced": {"kv": plan["kv"], "reserve": plan["reserve"]},
             "seconds": round(time.perf_counter() - start, 1)}
 
 
-def _engine_weights(cfg: Config, hf: dict[str, Any], gpu: str) -> dict[str, int]:
-    """In the traced process: `trace_engine`'s bytes of one engine GPU."""
+def _engine_weights(cfg: Config, hf: dict[str, Any], gpu: str) -> dict[str, Any]:
+    """In the traced process: `trace_engine`'s bytes and host synchronizations of one engine GPU."""
     # SGLang, in the traced process only
     from qurl_mcore.sglang.linear import QurlLinearMethod
     from qurl_mcore.sglang.options import QurlOptions
@@ -198,17 +258,20 @@ def _engine_weights(cfg: Config, hf: dict[str, Any], gpu: str) -> dict[str, int]
          "shared_expert_intermediate_size": s.shared_intermediate}
     names = {n + ".weight" for n in quantized_linears(c, precision.name, scope, "rollout")} if engine else set()
     dtype = getattr(torch, cfg.rollout.dtype)
+    dense = s.dense_layers if s.experts else s.layers
+    counts = {"dense": dense, "moe": s.layers - dense}
+    first = {"dense": 0, "moe": dense}  # the first layer of each kind
+    traced = {kind: first[kind] for kind, n in counts.items() if n}
     kept, transient = [], 0
+    resident = {kind: 0 for kind in (None, *traced)}  # bytes outside the layers, and of each traced layer
+    syncs = dict.fromkeys(resident, 0)
     with fake_cuda(gpu=gpu) as trace:
-        def resident() -> int:
-            return torch.cuda.memory_allocated()
-
-        outside = 0
         for x in hf_tensors(s):
-            if x.layer not in (None, 0):
+            kind = None if x.layer is None else next((k for k, i in traced.items() if i == x.layer), False)
+            if kind is False:
                 continue
             rows = x.shape[0] if x.kind in ("norm", "router") else -(-x.shape[0] // tp)
-            before = resident()
+            before, synced = torch.cuda.memory_allocated(), trace.host_syncs
             trace.reset_peak()
             w = torch.empty(rows, *x.shape[1:], dtype=dtype, device="cuda")
             if x.name in names:
@@ -217,11 +280,12 @@ def _engine_weights(cfg: Config, hf: dict[str, Any], gpu: str) -> dict[str, int]
                 kept.append(q)
             else:
                 kept.append(w)
-            transient = max(transient, trace.peak_bytes - resident())
-            if x.layer is None:
-                outside += resident() - before
-        layer = resident() - outside
-    return {"weights": outside + s.layers * layer, "transient": transient}
+            transient = max(transient, trace.peak_bytes - torch.cuda.memory_allocated())
+            resident[kind] += torch.cuda.memory_allocated() - before
+            syncs[kind] += trace.host_syncs - synced
+    total = lambda d: d[None] + sum(counts[k] * d[k] for k in traced)  # noqa: E731
+    return {"weights": total(resident), "transient": transient, "host_syncs": total(syncs),
+            "traced_layers": {k: int(k in traced) for k in KINDS}}
 
 
 def trace_plan(cfg: Config, hf: dict[str, Any], gpu: str = "h100-80g") -> dict[str, Any]:
@@ -243,21 +307,21 @@ def format_trace(trace: dict[str, Any]) -> str:
     """The lines `qurl plan --trace` prints after the plan."""
     gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
     t, e = trace["trainer"], trace["engine"]
-    layers = t["layers_traced_per_stage"]
-    how = (f"all {layers} layers of its stage" if isinstance(layers, int) else
-           "1 and 2 layers per stage, each phase's peak extrapolated to the stage's layers")
+    kinds = lambda d: " + ".join(f"{n} {k}" for k, n in d.items() if n)  # noqa: E731
+    models = t["traced_models"]
+    how = (f"all {kinds(t['stage_layers'])} layers of its stage" if len(models) == 1 else
+           f"{', '.join(kinds(m) for m in models)} layers per stage, each phase's peak extrapolated to the stage's "
+           f"{kinds(t['stage_layers'])}")
     phases = ", ".join(f"{k} {gib(v)}" for k, v in t["phases"].items())
     lines = [
         f"trace     trainer rank {t['rank']} of {t['world_size']} on fake CUDA ({how}; {t['seconds']:.0f} s): "
-        + (f"measured peak {gib(t['measured_peak_bytes'])}, planned {gib(t['planned_peak_bytes'])} ({_diff(t)}); "
-           f"per phase: {phases}" if t["step_traced"] else
-           f"built and a push's export only, measured {gib(t['measured_peak_bytes'])}, planned without Adam's "
-           f"states {gib(t['planned_peak_bytes'])} ({_diff(t)}); per phase: {phases}; no step: {t['why']}")
-        + f"; push's export planned {gib(t['planned']['push'])}",
-        f"trace     engine GPU weights after a load (the plugin's quantizer on one layer, times the layers; "
-        f"{e['seconds']:.0f} s): measured {gib(e['measured_peak_bytes'])} (of it {gib(e['quantize_transient_bytes'])} "
-        f"while one tensor is quantized), planned {gib(e['planned_peak_bytes'])} ({_diff(e)}); KV cache and "
-        f"SGLang's reserve not traced",
+        f"measured peak {gib(t['measured_peak_bytes'])}, planned {gib(t['planned_peak_bytes'])} ({_diff(t)}); "
+        f"per phase: {phases}; push's export planned {gib(t['planned']['push'])}; {t['host_syncs']} host "
+        f"synchronizations a step",
+        f"trace     engine GPU weights after a load (the plugin's quantizer on the first layer of each kind, "
+        f"{kinds(e['traced_layers'])}, times the layers of its kind; {e['seconds']:.0f} s): measured {gib(e['measured_peak_bytes'])} (of it "
+        f"{gib(e['quantize_transient_bytes'])} while one tensor is quantized), planned {gib(e['planned_peak_bytes'])} "
+        f"({_diff(e)}); {e['host_syncs']} host synchronizations a load; KV cache and SGLang's reserve not traced",
     ]
     lines += [f"problem   trace: the {who}'s measured peak differs from the plan's by more than "
               f"{TOLERANCE:.0%}: the plan misses a term, or the trace one (docs/plan.md)"

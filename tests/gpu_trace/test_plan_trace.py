@@ -12,6 +12,7 @@ from qurl_mcore.cli import main
 from qurl_mcore.config import load_config
 from qurl_mcore.models.cards import card
 from qurl_mcore.models.registry import shape
+from qurl_mcore.plantrace import extrapolate, stage_layers, traced_models
 from qurl_mcore.sizing.memory import trainer_bytes, update_capture_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
@@ -32,6 +33,33 @@ def test_update_capture_holds_the_engine_quantized_shards_once_during_a_step_and
     assert update_capture_bytes(s, bf16) == [{"during": 0, "end": 0}]  # engines in bf16: nothing to capture
 
 
+@pytest.mark.parametrize("config, card_name, layers, models", [
+    ("grpo_deepseek_v3_int8", "DeepSeek-V3", {"dense": 3, "moe": 58},
+     [{"dense": 1, "moe": 1}, {"dense": 2, "moe": 1}, {"dense": 1, "moe": 2}]),
+    ("grpo_qwen3_30b_a3b_fp4_rc", "Qwen3-30B-A3B", {"dense": 0, "moe": 48},
+     [{"dense": 0, "moe": 1}, {"dense": 0, "moe": 2}]),
+    ("dapo_qwen2.5_7b_math_int8", "Qwen2.5-Math-7B", {"dense": 28, "moe": 0},
+     [{"dense": 1, "moe": 0}, {"dense": 2, "moe": 0}]),
+])
+def test_a_deep_stage_is_traced_with_layers_of_each_kind_and_extrapolated_per_kind(config, card_name, layers, models):
+    """The stage's dense prefix and MoE layers are traced apart (one of each, then one more of each kind), and
+    the extrapolation recovers any figure linear in the layers of each kind exactly."""
+    cfg = load_config(CONFIGS / f"{config}.yaml")
+    s = shape(card(card_name))
+    assert stage_layers(s, cfg, 0) == layers and traced_models(layers) == models
+    linear = lambda m: {"peak": 1000 + 7 * m["dense"] + 11 * m["moe"]}  # noqa: E731
+    assert extrapolate([linear(m) for m in models], models, layers) == linear(layers)
+
+
+def test_a_shallow_stage_is_traced_whole_and_the_dense_prefix_lands_on_the_first_stages():
+    """GLM-4.5-Air, 46 layers (the first dense) on 2 pipeline stages: 1 dense + 22 MoE, then 23 MoE; a stage of
+    at most 8 layers is traced as it is."""
+    cfg = load_config(CONFIGS / "grpo_glm45_air_fp4_rc.yaml")
+    s = shape(card("GLM-4.5-Air"))
+    assert stage_layers(s, cfg, 0) == {"dense": 1, "moe": 22} and stage_layers(s, cfg, 1) == {"dense": 0, "moe": 23}
+    assert traced_models({"dense": 3, "moe": 5}) == [{"dense": 3, "moe": 5}]
+
+
 @pytest.mark.slow
 def test_plan_trace_of_the_shipped_0_5b_config_agrees_with_the_plan(capsys):
     """Qwen2.5-0.5B (gsm8k PPO, TP 1 x DP 8, 8 x 1024 tokens a micro-batch): 24 layers, traced at 1 and 2 and
@@ -41,7 +69,9 @@ def test_plan_trace_of_the_shipped_0_5b_config_agrees_with_the_plan(capsys):
     trainer, engine = out["trace"]["trainer"], out["trace"]["engine"]
     assert trainer["planned_peak_bytes"] == out["trainer"]["peak_with_push"]
     assert engine["planned_peak_bytes"] == out["engines"]["weights"]["gpu_weights"]
-    assert trainer["step_traced"] and trainer["layers_traced_per_stage"] == [1, 2]
+    assert trainer["traced_models"] == [{"dense": 1, "moe": 0}, {"dense": 2, "moe": 0}]
+    assert trainer["traced_layers"] == {"dense": 2, "moe": 0} and engine["traced_layers"] == {"dense": 1, "moe": 0}
+    assert trainer["host_syncs"] > 0 and engine["host_syncs"] >= 0
     phases = trainer["phases"]
     assert phases["build"] < phases["forward_backward"] == trainer["measured_peak_bytes"]
     # a push's export at TP 1 in the trainer's dtype: the states after the step (Adam's included), the buckets

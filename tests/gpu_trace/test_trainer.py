@@ -22,14 +22,14 @@ def test_steps_with_different_micro_batch_counts_reduce_every_bucket_once():
     assert len(out["peaks"]) == 3
 
 
-@pytest.mark.parametrize("arch, rows", [("qwen3", [16]), ("qwen3_moe", [])])
-def test_policy_and_reference_are_on_the_device_in_bf16(arch, rows):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_policy_and_reference_are_on_the_device_in_bf16(arch):
     """N3: torch-built norms and the router come on the CPU in fp32; the KL reference (never in DDP) and the
     policy under the plain bf16 optimizer (distributed optimizer off) have every parameter on the GPU in bf16,
-    and a step runs (the MoE is built only: its token dispatch copies data-dependent split sizes to the host,
-    which a fake tensor has no values for)."""
-    out = run_traced(workers.trainer_steps, arch, ["train.kl_coef=0.1", "train.distributed_optimizer=false"], rows)
-    assert out["policy"] == out["reference"] == [("cuda:0", "torch.bfloat16")]
+    and a step runs (the MoE's token dispatch copies its split sizes to the host: the façade answers the
+    balanced routing)."""
+    out = run_traced(workers.trainer_steps, arch, ["train.kl_coef=0.1", "train.distributed_optimizer=false"], [16])
+    assert out["policy"] == out["reference"] == [("cuda:0", "torch.bfloat16")] and len(out["peaks"]) == 2
 
 
 def test_a_push_exports_every_tensor_on_the_device_in_the_rollout_dtype_and_broadcasts_it_over_nccl():
@@ -46,3 +46,13 @@ def test_a_push_exports_every_tensor_on_the_device_in_the_rollout_dtype_and_broa
     assert sorted(name for name, *_ in out["pushed"]) == sorted(names)  # each once, none missing
     assert out["policy"] == [("cuda:0", "torch.bfloat16")]  # the rank's one visible GPU, as Ray gives it
     assert {(device, dtype) for _, device, dtype in out["pushed"]} == set(out["policy"])
+
+
+def test_an_moe_step_under_expert_parallelism_dispatches_balanced_tokens_and_counts_its_host_syncs():
+    """EP 4 (TP 1, DP 8): Megatron's all-to-all dispatcher copies the tokens per expert to the host to size its
+    all-to-all (the façade answers the balanced routing, which NCCL's split-size rule accepts), and those
+    copies' synchronizations are counted where the dispatcher makes them."""
+    out = run_traced(workers.trainer_steps, "qwen3_moe", ["train.ep_size=4"], [16], 1)
+    dispatcher = {site: n for site, n in out["host_sync_sites"].items()
+                  if "megatron/core/transformer/moe/token_dispatcher.py" in site}
+    assert dispatcher and all(n > 0 for n in dispatcher.values())

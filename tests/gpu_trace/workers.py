@@ -2,10 +2,12 @@
 functions with picklable arguments and results."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
-from qurl_mcore.fakecuda import NcclDeviceError, fake_cuda
+from qurl_mcore.fakecuda import NcclDeviceError, NcclError, fake_cuda
 
 
 def collectives() -> dict:
@@ -34,6 +36,71 @@ def collectives() -> dict:
     return out
 
 
+def nccl_rules() -> dict[str, str | None]:
+    """Each collective of `NCCL_CASES` on the NCCL-like default group of 4 ranks, as rank 2 on cuda:2: the
+    NcclError it raised, or None."""
+    out = {}
+    with fake_cuda(devices=4, world_size=4, rank=2, device=2):
+        for case, collective in NCCL_CASES.items():
+            try:
+                collective()
+                out[case] = None
+            except NcclError as err:
+                out[case] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def _t(*shape, dtype=torch.float32, device="cuda:2"):
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+#: collectives, each breaking at most one of NCCL's rules (the ones named ok_* break none)
+NCCL_CASES = {
+    "ok_own_device": lambda: dist.all_reduce(_t(4)),
+    "other_device": lambda: dist.all_reduce(_t(4, device="cuda:1")),
+    "int16": lambda: dist.broadcast(_t(4, dtype=torch.int16), src=0),
+    "ok_fp8_broadcast": lambda: dist.broadcast(_t(4, dtype=torch.float8_e4m3fn), src=0),
+    "fp8_all_reduce": lambda: dist.all_reduce(_t(4, dtype=torch.float8_e4m3fn)),
+    "ok_bool_max": lambda: dist.all_reduce(_t(4, dtype=torch.bool), op=dist.ReduceOp.MAX),
+    "bool_avg": lambda: dist.all_reduce(_t(4, dtype=torch.bool), op=dist.ReduceOp.AVG),
+    "int_band": lambda: dist.all_reduce(_t(4, dtype=torch.int32), op=dist.ReduceOp.BAND),
+    "ok_all_gather": lambda: dist.all_gather_into_tensor(_t(4, 3), _t(1, 3)),
+    "all_gather_size": lambda: dist.all_gather_into_tensor(_t(3, 3), _t(1, 3)),
+    "all_gather_dtype": lambda: dist.all_gather_into_tensor(_t(4, 3, dtype=torch.bfloat16), _t(1, 3)),
+    "ok_reduce_scatter": lambda: dist.reduce_scatter_tensor(_t(2), _t(8)),
+    "reduce_scatter_size": lambda: dist.reduce_scatter_tensor(_t(2), _t(6)),
+    "ok_all_to_all": lambda: dist.all_to_all_single(_t(6, 2), _t(5, 2), [3, 1, 1, 1], [2, 1, 1, 1]),
+    "all_to_all_splits": lambda: dist.all_to_all_single(_t(6, 2), _t(5, 2), [3, 1, 1, 1], [2, 1, 1, 2]),
+    "all_to_all_even": lambda: dist.all_to_all_single(_t(6, 2), _t(6, 2)),
+}
+
+
+def collectives_of(rank: int, rows: list[int], sends: list[list[int]]) -> list:
+    """The collectives (`Trace.collectives`) rank `rank` of 2 issues: an all-reduce of `rows[rank]` rows, then
+    an all-to-all sending `sends[rank][peer]` rows to each peer and receiving `sends[peer][rank]`."""
+    with fake_cuda(devices=2, world_size=2, rank=rank, device=rank) as trace:
+        dist.all_reduce(torch.empty(rows[rank], 8, device="cuda"))
+        receives = [sends[peer][rank] for peer in range(2)]
+        dist.all_to_all_single(torch.empty(sum(receives), 8, device="cuda"),
+                               torch.empty(sum(sends[rank]), 8, device="cuda"), receives, sends[rank])
+    return trace.collectives
+
+
+def ranks_collectives(cases: list[tuple]) -> list[list[str]]:
+    """For each case (rows, sends, receives_of_1): `mismatched_collectives` of ranks 0 and 1 of
+    `collectives_of(rank, rows, sends)`, each traced in turn in this process; with `receives_of_1`, rank 1's
+    all-to-all expects that many rows from each peer instead."""
+    from qurl_mcore.fakecuda import mismatched_collectives
+
+    out = []
+    for rows, sends, receives_of_1 in cases:
+        logs = {rank: collectives_of(rank, rows, sends) for rank in range(2)}
+        if receives_of_1 is not None:
+            logs[1][-1] = dataclasses.replace(logs[1][-1], receives=tuple(receives_of_1))
+        out.append(mismatched_collectives(logs))
+    return out
+
+
 def model_parallel(tp: int, world_size: int, rank: int) -> dict:
     """Megatron's groups on the fake group: this rank's place in them."""
     from megatron.core import parallel_state as ps
@@ -53,7 +120,7 @@ def trainer_steps(arch: str, overrides: list[str], rows: list[int], tp: int = 2,
     DP share), traced as rank `rank` of `world_size`. Returns the parameters' (device, dtype) kinds of the
     policy and reference, and the peak CUDA bytes after the build and after each step; with `push`, then a
     push's export broadcast over the NCCL-like default group as a disaggregated push sends it, and the
-    (HF name, device, dtype) of each tensor the export gave."""
+    (HF name, device, dtype) of each tensor the export gave; and the host synchronizations by site."""
     from qurl_mcore.config import load_config
     from qurl_mcore.loop.trainer import PolicyTrainer
     from qurl_mcore.models.tiny import tiny_checkpoint
@@ -82,6 +149,7 @@ def trainer_steps(arch: str, overrides: list[str], rows: list[int], tp: int = 2,
                     out["pushed"] += [(name, str(t.device), str(t.dtype)) for name, t in bucket]
                     sender.send(bucket)
         trainer.close()
+        out["host_sync_sites"] = dict(trace.sync_sites)
     return out
 
 
@@ -165,3 +233,56 @@ def engine_push(master: str) -> dict:
         out["after_bytes"] = live() - base
         out["master_bytes"] = sum(2 * n * k for n, k in shapes.values())
     return out
+
+
+def platforms(gpus: list[str]) -> dict[str, dict]:
+    """What torch and SGLang's platform probes answer inside `fake_cuda(gpu=gpu)` for each of `gpus` in turn
+    (SGLang imported inside the first context, as a traced engine imports it), and after each."""
+    return {gpu: _platform(gpu) for gpu in gpus}
+
+
+def _platform(gpu: str) -> dict:
+    with fake_cuda(gpu=gpu):
+        from sglang.srt.utils import common
+
+        inside = dict(cuda=torch.version.cuda, capability=torch.cuda.get_device_capability(),
+                      major=torch.cuda.get_device_properties(0).major, is_cuda=common.is_cuda(),
+                      sm=common.get_device_sm(), sm90=common.is_sm90_supported(), sm100=common.is_sm100_supported(),
+                      hopper=common.is_hopper_with_cuda_12_3(), blackwell=common.is_blackwell())
+    return dict(inside=inside, after=dict(cuda=torch.version.cuda, is_cuda=common.is_cuda()))
+
+
+def host_reads() -> dict:
+    """Data-dependent reads of fake CUDA tensors: what each answers, and the host synchronizations counted."""
+    out = {}
+    with fake_cuda() as trace:
+        x = torch.empty(8, device="cuda")
+        out["item"] = x.sum().item()  # 1: unknown, reads 1
+        out["finite"] = torch.isfinite(x).all().item()  # 2
+        x.cpu()  # 3
+        x.to("cpu", non_blocking=True)  # not a sync: the synchronize that waits for it is
+        torch.cuda.synchronize()  # 4
+        out["selected"] = x[x > 0].shape[0]  # 5: a mask selects everything
+        logits = torch.empty(12, 8, device="cuda")  # 12 tokens, 8 experts, top-2
+        routing = torch.zeros_like(logits).int().scatter(1, logits.topk(2, dim=1).indices, 1).bool()
+        per_expert = routing.sum(dim=0).cpu()  # 6: a real host tensor
+        out["per_expert"] = per_expert.tolist()  # host data: no sync
+        out["per_token"] = routing.sum(dim=1).tolist()  # 7
+        out["routed"] = routing.sum().item()  # 8
+        out["masked_select"] = logits.masked_select(routing).shape[0]  # 9
+        out["nonzero"] = tuple(routing.nonzero().shape)  # 10
+        out["zeros_any"] = bool(torch.zeros(3, device="cuda").any())  # 11
+        out["host_is_real"] = not isinstance(per_expert * 2, torch._subclasses.fake_tensor.FakeTensor)
+        out["host_syncs"] = trace.host_syncs
+        out["sites"] = dict(trace.sync_sites)
+    return out
+
+
+def uaq_per_head_on_device() -> tuple[str, str]:
+    """UAQ's per-head scaling of MLA's kv_b_proj (2 heads of 3 k rows and 2 v rows) on a fake GPU: the
+    output's device and dtype."""
+    from qurl_mcore.uaq import scale_per_head
+
+    with fake_cuda():
+        out = scale_per_head(torch.empty(10, 4, dtype=torch.bfloat16, device="cuda"), "kv_b", (3, 2), 2.0)
+        return str(out.device), str(out.dtype)
