@@ -82,6 +82,46 @@ class _HashingWriter:
             raise
 
 
+#: free bytes under which a failed write is taken for a full disk whatever its error says (Megatron's
+#: distributed save reports a short write as "unexpected pos", without the ENOSPC underneath)
+NEARLY_FULL_BYTES = 16 << 20
+
+
+def out_of_space(err: BaseException | None, where: str | Path) -> bool:
+    """Whether a write under `where` failed with `err` because the disk is full: ENOSPC in the error or what
+    caused it, or hardly any space left there."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC or "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    try:
+        return shutil.disk_usage(where).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def no_space(partial: Path) -> OSError:
+    """The error of a checkpoint write into `partial` that filled the disk (its files removed by the caller)."""
+    return OSError(errno.ENOSPC, f"no space left on device for {partial} (its partial files are removed); free "
+                                 "space there or set checkpoint.dir to another disk")
+
+
+def check_space(root: str | Path) -> None:
+    """Before a save: OSError (ENOSPC) when `root` has less free space than its newest checkpoint took, which
+    the next one will take again."""
+    newest = latest_checkpoint(root)
+    if newest is None:
+        return
+    needed = sum(record["bytes"] for record in read_meta(newest)["files"])
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"{root} has {free / 2**20:.0f} MiB free, and a checkpoint takes "
+                                    f"{needed / 2**20:.0f} MiB ({newest.name}); free space there or set "
+                                    "checkpoint.dir to another disk")
+
+
 def write_file(root: str | Path, step: int, name: str, state: dict[str, Any]) -> dict[str, Any]:
     """Save `state` as file `name` of step `step`'s partial checkpoint (durably: fsync'd before it takes its
     name). Returns its record for `finalize`: {"file", "bytes", "sha256"}."""
@@ -96,10 +136,10 @@ def write_file(root: str | Path, step: int, name: str, state: dict[str, Any]) ->
     except BaseException as err:
         with contextlib.suppress(OSError):  # what is still buffered cannot be written either
             writer.file.close()
+        full = out_of_space(writer.error or err, partial)
         tmp.unlink(missing_ok=True)
-        if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in (writer.error, err)):
-            raise OSError(errno.ENOSPC, f"no space left on device for {partial / name} (its partial file is "
-                                        "removed); free space there or set checkpoint.dir to another disk") from None
+        if full:
+            raise no_space(partial / name) from None
         raise
     os.replace(tmp, partial / name)
     return {"file": name, "bytes": writer.size, "sha256": writer.sha.hexdigest()}

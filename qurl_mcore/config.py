@@ -75,6 +75,9 @@ class RolloutConfig:
     smoothing: float = 0.0
     broadcast_timeout_s: float = 120.0  # disaggregated: a broadcast waits this long for a stalled peer, then fails
     restart_attempts: int = 2  # per step: restart a crashed engine (with the latest weights) and retry
+    # an engine host Ray cannot reach: how long a restart waits for it to answer or be declared dead; also what
+    # the engine hosts get, together, to stop their servers at the end of a run
+    unreachable_timeout_s: float = 300.0
 
 
 @dataclass
@@ -104,6 +107,10 @@ class TrainConfig:
     advantage: Literal["grpo", "rloo"] = "grpo"
     scale_by_std: bool = True
     dynamic_sampling: bool = False
+    # once one trainer rank has answered a call (most are collectives, which end on every rank together), the
+    # others have this long; a rank still busy then is hung and ends the run. Also what the ranks get,
+    # together, to close at the end of a run
+    hang_timeout_s: float = 600.0
 
     @property
     def world_size(self) -> int:
@@ -129,6 +136,9 @@ class CheckpointConfig:
     # torch_dist only: the trainer's files are written in the background (Megatron's asynchronous save) while
     # the next step's rollout runs; the checkpoint is published once they are on disk, before that step trains
     async_save: bool = False
+    # after SIGTERM/SIGINT, how long the step in progress may take before the run exits without it (the last
+    # checkpoint stays): Slurm kills a job 30 s after its SIGTERM
+    stop_grace_s: float = 20.0
     # resume a checkpoint whose model, precision or (format torch) parallel layout differs from the run's
     # (driver.RESUME_FIELDS, LAYOUT_FIELDS)
     allow_mismatch: bool = False
@@ -273,7 +283,9 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout.smoothing": _within(0, 1),
     "rollout.top_k": (lambda v: v == -1 or v > 0, "must be -1 (off) or a positive count"),
     "rollout.mem_fraction": (_within(0, 1, open_hi=True)[0], "must be in [0, 1) (0: SGLang's default)"),
-    "rollout.broadcast_timeout_s": (_within(0, 86400, open_lo=True)[0], "must be in (0, 86400] seconds"),
+    **{name: (_within(0, 86400, open_lo=True)[0], "must be in (0, 86400] seconds") for name in (
+        "rollout.broadcast_timeout_s", "rollout.unreachable_timeout_s", "train.hang_timeout_s",
+        "checkpoint.stop_grace_s")},
     "train.lr": _within(0, 1, open_lo=True),
     "train.weight_decay": _within(0, 1),
     "train.grad_clip": _within(0, 1e4),

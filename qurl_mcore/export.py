@@ -11,6 +11,7 @@ holds the model once per data-parallel replica of the run, in the ranks' slices.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -47,18 +48,32 @@ def _export_rank(rank: int, checkpoint_dir: str, out_dir: str, dtype: str) -> st
         destroy_parallel()
 
 
-def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
-    """Export a run's checkpoint (a `step_N` directory, or a checkpoint.dir whose newest valid one is taken)
-    as an HF checkpoint in `out_dir`."""
+def checkpoint_to_export(checkpoint_dir: str | Path) -> Path:
+    """The checkpoint `qurl export CHECKPOINT_DIR` exports: a `step_N` directory itself, or a checkpoint.dir's
+    newest one. A damaged newest one is refused, naming it and the newest valid one (give that step_N to
+    export it): an export must not pass off an older step as the run's last."""
     path = Path(checkpoint_dir)
     if not (path / "meta.json").is_file():
         found, damaged = latest_valid(path)
+        if damaged:
+            newest, problem = damaged[0]
+            raise ValueError(f"{checkpoint_dir}: the newest checkpoint, {newest.name}, is damaged ({problem})"
+                             + (f"; to export the newest valid one, give it: {found}" if found else
+                                "; no valid checkpoint there"))
         if found is None:
-            raise FileNotFoundError(f"{checkpoint_dir}: no valid checkpoint there"
-                                    + (f" ({damaged[0][0].name}: {damaged[0][1]})" if damaged else ""))
+            raise FileNotFoundError(f"{checkpoint_dir}: no valid checkpoint there")
         path = found
     problem = verify(path)
     if problem:
         raise ValueError(f"{path}: {problem}")
-    results = spawn(_export_rank, read_meta(path)["world_size"], str(path), str(out_dir), dtype, cpu=True)
+    return path
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Export a run's checkpoint (`checkpoint_to_export`, named on stderr with its step) as an HF checkpoint
+    in `out_dir`."""
+    path = checkpoint_to_export(checkpoint_dir)
+    meta = read_meta(path)
+    print(f"qurl export: step {meta['step']} ({path})", file=sys.stderr)
+    results = spawn(_export_rank, meta["world_size"], str(path), str(out_dir), dtype, cpu=True)
     return Path(results[0])

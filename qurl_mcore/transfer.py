@@ -4,12 +4,14 @@
   free_port      a TCP port for a rendezvous or a server
   comm_backend   the torch.distributed backend of a device: NCCL on CUDA, gloo otherwise
   dtype_name     "bfloat16" for torch.bfloat16 (the name SGLang's update calls take)
-  bind_stores_to_their_address   torch.distributed rendezvous stores listen only where they are reached
+  stores_bound_to_their_address  torch.distributed rendezvous stores listen only where they are reached
   bind_gloo_towards  gloo connects through the interface that reaches a group's rendezvous
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import importlib
 import os
 import socket
@@ -62,37 +64,52 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def bind_stores_to_their_address() -> None:
-    """Make the TCPStore that rank 0 of a torch.distributed rendezvous hosts listen on the address the other
-    ranks reach it at (127.0.0.1 for a local group, the node's interface for a group across nodes) instead
-    of on every interface, which is torch's default: a colocated run then opens nothing beyond loopback.
-    Idempotent; applied in the trainer's processes and, through the SGLang plugin, in every engine process."""
+@contextlib.contextmanager
+def stores_bound_to_their_address():
+    """For the duration: the TCPStore that rank 0 of a torch.distributed rendezvous hosts listens on the
+    address the other ranks reach it at (127.0.0.1 for a local group, the node's interface for a group across
+    nodes) instead of on every interface, which is torch's default; afterwards c10d's own store factory is
+    back. A rendezvous inside it opens nothing beyond the address it names."""
     rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the package shadows it by a function
     original = rendezvous._create_c10d_store
-    if getattr(original, "_qurl_bound", False):
-        return
+    rendezvous._create_c10d_store = functools.partial(_store_bound_to_its_address, original)
+    try:
+        yield
+    finally:
+        rendezvous._create_c10d_store = original
 
-    def create_store(hostname, port, rank, world_size, timeout, use_libuv=True):
-        if rank != 0 or rendezvous._torchelastic_use_agent_store() or not use_libuv:
-            return original(hostname, port, rank, world_size, timeout, use_libuv)
-        family, kind, proto, _, address = socket.getaddrinfo(hostname, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as err:
-            sock.close()
-            if err.errno != errno.EADDRINUSE:
-                raise
-            # this process already serves a store there (torch's stores are multi-tenant): torch reuses it
-            return original(hostname, port, rank, world_size, timeout, use_libuv)
-        sock.listen(socket.SOMAXCONN)
-        return torch.distributed.TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True,
-                                          timeout=timeout, multi_tenant=True, use_libuv=True,
-                                          master_listen_fd=sock.detach())  # the store owns the socket now
 
-    create_store._qurl_bound = True
-    rendezvous._create_c10d_store = create_store
+def bind_stores_to_their_address() -> None:
+    """`stores_bound_to_their_address` for the rest of this process: for the processes whose every group is
+    the run's (a trainer rank, and through the SGLang plugin every engine process). Idempotent."""
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    if not isinstance(rendezvous._create_c10d_store, functools.partial):
+        rendezvous._create_c10d_store = functools.partial(_store_bound_to_its_address, rendezvous._create_c10d_store)
+
+
+def _store_bound_to_its_address(original, hostname, port, rank, world_size, timeout, use_libuv=True):
+    """c10d's `_create_c10d_store`, except that rank 0's store listens on `hostname`'s address alone."""
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    if rank != 0 or rendezvous._torchelastic_use_agent_store() or not use_libuv:
+        return original(hostname, port, rank, world_size, timeout, use_libuv)
+    family, kind, proto, _, address = socket.getaddrinfo(hostname, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        if err.errno != errno.EADDRINUSE:
+            raise
+        # this process already serves a store there (torch's stores are multi-tenant): torch reuses it
+        return original(hostname, port, rank, world_size, timeout, use_libuv)
+    sock.listen(socket.SOMAXCONN)
+    return torch.distributed.TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True,
+                                      timeout=timeout, multi_tenant=True, use_libuv=True,
+                                      master_listen_fd=sock.detach())  # the store owns the socket now
+
+
+_GLOO_CHOSEN: list[str | None] = [None]  # the GLOO_SOCKET_IFNAME bind_gloo_towards set last in this process
 
 
 def bind_gloo_towards(peer: str) -> str | None:
@@ -102,8 +119,9 @@ def bind_gloo_towards(peer: str) -> str | None:
     (Debian's 127.0.1.1, containers, network namespaces) a loopback no other node reaches, so every group
     across nodes fails to connect; on others the external interface, so a local group (a loopback `peer`)
     would be reachable from the network. Returns the interface; None (nothing changed) when
-    GLOO_SOCKET_IFNAME is set already."""
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
+    GLOO_SOCKET_IFNAME was set by anyone but this function in this process (the user's choice, or the one
+    the process that started this one made). A choice of its own it makes again for each peer."""
+    if os.environ.get("GLOO_SOCKET_IFNAME", _GLOO_CHOSEN[0]) != _GLOO_CHOSEN[0]:
         return None
     # psutil: SGLang's requirement, not qurl-mcore's; only this choice of interface uses it
     import psutil
@@ -113,7 +131,7 @@ def bind_gloo_towards(peer: str) -> str | None:
         local = probe.getsockname()[0]
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == local for a in addresses):
-            os.environ["GLOO_SOCKET_IFNAME"] = name
+            os.environ["GLOO_SOCKET_IFNAME"] = _GLOO_CHOSEN[0] = name
             return name
     raise RuntimeError(f"no network interface holds {local}, this host's address towards {peer}; set "
                        "GLOO_SOCKET_IFNAME to the interface the other nodes reach this one through")

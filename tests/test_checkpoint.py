@@ -122,3 +122,64 @@ def test_files_another_writer_made_are_hashed_published_and_verified(tmp_path):
     (path / "trainer" / "__0_0.distcp").write_bytes(b"slicez" * 100)
     assert verify(path) == "trainer/__0_0.distcp does not match its checksum"
     assert format_of({}) == "torch"  # written before the format was recorded
+
+
+def test_export_takes_the_newest_checkpoint_and_refuses_a_damaged_newest_one(tmp_path):
+    """`qurl export CHECKPOINT_DIR` must not pass off an older step as the run's last: with the newest one
+    damaged it refuses, naming it and the valid one to give instead; a step_N given itself is taken."""
+    from qurl_mcore.export import checkpoint_to_export
+
+    older = _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    assert checkpoint_to_export(tmp_path) == newest
+    (newest / "rank0.pt").write_bytes(b"")
+    with pytest.raises(ValueError) as refused:
+        checkpoint_to_export(tmp_path)
+    assert str(refused.value) == (f"{tmp_path}: the newest checkpoint, step_00000002, is damaged (rank0.pt has 0 "
+                                  f"bytes, {read_meta(newest)['files'][0]['bytes']} were written); to export the "
+                                  f"newest valid one, give it: {older}")
+    assert checkpoint_to_export(older) == older
+
+
+class _Usage:
+    def __init__(self, free: int):
+        self.free = free
+
+
+def test_a_save_is_refused_before_it_starts_when_the_disk_cannot_hold_it(tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    from qurl_mcore import checkpoint
+
+    newest = _save(tmp_path, 1)
+    size = sum(r["bytes"] for r in read_meta(newest)["files"])
+    checkpoint.check_space(tmp_path)  # this disk holds another one
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: _Usage(size - 1))
+    with pytest.raises(OSError, match=rf"{tmp_path} has 0 MiB free, and a checkpoint takes 0 MiB "
+                                      r"\(step_00000001\); free space there") as full:
+        checkpoint.check_space(tmp_path)
+    assert full.value.errno == errno.ENOSPC
+
+
+def test_a_distributed_save_that_fills_the_disk_is_named_and_its_partial_removed(tmp_path, monkeypatch):
+    """Megatron's distributed save reports a full disk as a short write ("unexpected pos"), the ENOSPC
+    underneath lost: a write that fails with hardly any space left is taken for what it is."""
+    import shutil
+
+    from qurl_mcore.checkpoint import NEARLY_FULL_BYTES, partial_dir
+    from qurl_mcore.loop.trainer import _space_named
+
+    partial = partial_dir(tmp_path, 3)
+    (partial / "trainer").mkdir(parents=True)
+    (partial / "trainer" / "__0_0.distcp").write_bytes(b"x" * 100)
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # another failure, with space left: itself
+        with _space_named(partial):
+            raise RuntimeError("CheckpointException: unexpected pos 704 vs 598")
+    assert partial.is_dir()
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: _Usage(NEARLY_FULL_BYTES - 1))
+    with pytest.raises(OSError, match=rf"no space left on device for {partial} \(its partial files are removed\); "
+                                      "free space there or set checkpoint.dir to another disk"):
+        with _space_named(partial):
+            raise RuntimeError("CheckpointException: unexpected pos 704 vs 598")
+    assert not partial.exists()

@@ -59,6 +59,39 @@ def test_gloo_of_a_local_group_binds_loopback(monkeypatch):
     assert "127.0.0.1" in {a.address for a in psutil.net_if_addrs()[name]}
 
 
+def test_gloo_follows_each_peer_but_never_overrides_the_users_choice(monkeypatch):
+    """The interface chosen for one group is chosen again for the next group's peer (not first-wins); one the
+    user set stays."""
+    import psutil
+
+    from qurl_mcore import transfer
+
+    outside = [(name, a.address) for name, addresses in psutil.net_if_addrs().items() for a in addresses
+               if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if not outside:
+        pytest.skip("this host has no IPv4 address beyond loopback")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(transfer, "_GLOO_CHOSEN", [None])
+    loopback = transfer.bind_gloo_towards("127.0.0.1")
+    assert transfer.bind_gloo_towards(outside[0][1]) == outside[0][0] != loopback
+    assert os.environ["GLOO_SOCKET_IFNAME"] == outside[0][0]
+    assert transfer.bind_gloo_towards("127.0.0.1") == loopback
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")
+    assert transfer.bind_gloo_towards(outside[0][1]) is None and os.environ["GLOO_SOCKET_IFNAME"] == "mine"
+
+
+def test_a_stores_binding_ends_with_its_scope():
+    import importlib
+
+    from qurl_mcore.transfer import stores_bound_to_their_address
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    original = rendezvous._create_c10d_store
+    with stores_bound_to_their_address():
+        assert rendezvous._create_c10d_store is not original
+    assert rendezvous._create_c10d_store is original
+
+
 def test_gloo_binds_the_interface_towards_the_rendezvous(netns_nodes, monkeypatch):
     """On a host whose name resolves to a loopback address (as on Debian, or in these namespace nodes), gloo
     would advertise it to the other nodes; towards another node's address the interface that reaches it is

@@ -120,4 +120,5 @@ def start_actors(cfg: Config, model_path: str, stop=None) -> tuple[TrainerGroup,
     manager = ray.remote(RolloutManager).options(num_cpus=0, scheduling_strategy=here).remote(
         cfg, model_path, hosts[:engines], log_file=f"{logs}/rollout-manager.log",
         reference=hosts[engines] if len(hosts) > engines else None)
-    return TrainerGroup(trainers, cfg.logging.dir), Rollouts(manager, hosts, cfg.logging.dir), pg
+    return (TrainerGroup(trainers, cfg.logging.dir, cfg.train.hang_timeout_s, stop),
+            Rollouts(manager, hosts, cfg.logging.dir, cfg.rollout.unreachable_timeout_s, stop), pg)

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from qurl_mcore import checkpoint as ckpt
 from qurl_mcore.config import Config, ConfigError, flatten, to_dict
 from qurl_mcore.models import resolve_model_path
+from qurl_mcore.parent_death import descendants, start_reaper, stop_survivors
 from qurl_mcore.precision import quantized_linears
 from qurl_mcore.preflight import preflight
 from qurl_mcore.provenance import code_version
@@ -42,7 +43,7 @@ from qurl_mcore.runlock import lock_dirs
 
 from .actors import start_actors
 from .batch import Sample, collate
-from .outcome import RunFailure, StopRequest
+from .outcome import RunFailure, StopOverdue, StopRequest, shielded_children
 from .report import write_report
 from .sampler import EngineFailure
 from .tracking import MetricsLog, warnings_to_file
@@ -75,6 +76,10 @@ def advantages(cfg: Config, samples: list[Sample]) -> tuple[list[Sample], torch.
         adv = adv[rows]
     return samples, adv, metrics
 
+
+#: seconds Ray's processes (and what the run's actors started) get to end after `ray.shutdown` before they are
+#: killed: its agents watch their raylet and leave only when they notice it is gone
+RAY_EXIT_GRACE_S = 10.0
 
 DRIVER_FILE = "driver.pt"  # the driver's part of a checkpoint: its random generators
 
@@ -222,6 +227,10 @@ class Loop:
         if step == self.saved_step:
             return (self.publish() or ckpt.step_dir(root, step)) if wait else None
         self.publish()
+        try:
+            ckpt.check_space(root)
+        except OSError as err:
+            raise RunFailure(f"checkpoint of step {step} not written: {err.strerror}") from None
         self.saved_step = step
         files = [record for rank in self.trainers.save_checkpoint(root, step) for record in rank]
         files.append(ckpt.write_file(root, step, DRIVER_FILE, {"rng": ckpt.rng_state()}))
@@ -278,10 +287,16 @@ class Loop:
                         "rollout/engine_restarts": float(self.engine_restarts)})
         return metrics
 
-    def close(self) -> None:
-        self.rollouts.close()
-        self.trainers.close()
-        remove_placement_group(self.pg)
+    def close(self, timeout: float | None = None) -> None:
+        """The engines, then the trainer ranks, each group given `timeout` seconds in all to stop (default:
+        its own bound), then killed."""
+        try:
+            self.rollouts.close(timeout)
+        finally:
+            try:
+                self.trainers.close(timeout)
+            finally:
+                remove_placement_group(self.pg)
 
 
 def say(message: str) -> None:
@@ -360,22 +375,33 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         f"{cfg.train.world_size} trainer rank(s), {cfg.rollout.engines} engine(s); code {code.label()}; "
         f"logs in {logs}")
     owns_ray = not ray.is_initialized()
+    reaper = start_reaper() if owns_ray else None  # Ray's processes, also after a kill -9 of this one
+    before_ray = set(descendants())  # what this process ran before Ray: not the run's to stop at its end
     if owns_ray:
         # "local": never attach to a cluster some earlier `ray start` left behind on this machine
         try:
-            ray.init(address=address or "local", resources=None if address else {"qurl_train": 1, "qurl_rollout": 1},
-                     log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
+            with shielded_children():  # a SIGTERM to the whole group leaves Ray to the checkpoint that follows it
+                ray.init(address=address or "local",
+                         resources=None if address else {"qurl_train": 1, "qurl_rollout": 1},
+                         log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
         except BaseException as err:  # Ctrl-C included: the directories are the next run's
             locks.release()
+            if reaper is not None:
+                reaper.kill()
+                reaper.wait()
             if isinstance(err, Exception):  # a start-up timeout, an address nobody answers at: one line
                 reason = (str(err).strip().splitlines() or [type(err).__name__])[-1]
                 raise RunFailure(f"Ray did not start{f' at {address}' if address else ''}: {reason}") from None
             raise
-    stop = StopRequest()  # after ray.init, whose own SIGTERM handler would abort the driver
-    torch.manual_seed(cfg.seed)
-    log = MetricsLog(logs, wandb_project=cfg.logging.wandb_project, run_config={**to_dict(cfg), "code": asdict(code)})
-    loop = Loop(cfg, stop)
+    stop = StopRequest(grace_s=cfg.checkpoint.stop_grace_s)  # after ray.init, whose own SIGTERM handler would abort
+    log: MetricsLog | None = None
+    loop: Loop | None = None
+    step = 0
     try:
+        torch.manual_seed(cfg.seed)
+        log = MetricsLog(logs, wandb_project=cfg.logging.wandb_project,
+                         run_config={**to_dict(cfg), "code": asdict(code)})
+        loop = Loop(cfg, stop)
         loop.write_pids()
         step = loop.restore(resume_from)
         if step:
@@ -389,6 +415,8 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         while step < cfg.steps and not stop.requested:
             metrics = loop.step(step)
             step += 1
+            if stop.requested:  # the step ended within the grace: its checkpoint is written, however long
+                stop.steps_ended()
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps):
                 metrics.update(_evaluated(loop, step))
             log.log(step, metrics)
@@ -401,6 +429,7 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
                 say(f"step {step} skipped: every prompt group had equal rewards (no learning signal)")
             if step % cfg.checkpoint.every == 0 or step == cfg.steps:
                 loop.save(step)
+        stop.steps_ended()  # what follows (the last checkpoint, the export) is no step
         loop.publish()
         bar.close()
         if step == cfg.steps and cfg.checkpoint.export_hf:
@@ -408,11 +437,28 @@ def run(cfg: Config, address: str | None = None) -> RunResult:
         if stop.requested and step < cfg.steps:
             path = loop.save(step, wait=True)
             say(f"{stop.signal_name} at step {step}: checkpoint written to {path}, exiting")
+    except StopOverdue as overdue:  # the actors are mid-step: they are killed, the last checkpoint stays
+        say(f"{overdue}; resume takes the last checkpoint ({ckpt.latest_checkpoint(cfg.checkpoint.dir) or 'none'})")
+        if loop is not None:
+            loop.close(timeout=0.0)
+            loop = None
     finally:
-        log.close()
-        loop.close()
-        if owns_ray:
-            ray.shutdown()
-        locks.release()
+        try:
+            if log is not None:
+                log.close()
+            if loop is not None:
+                loop.close()
+        finally:  # whatever failed above, Ray, the signals and the directories are given back
+            if owns_ray:
+                spawned = [pid for pid in descendants() if pid not in before_ray]
+                ray.shutdown()
+                left = stop_survivors(spawned, RAY_EXIT_GRACE_S)
+                if left:
+                    say(f"stopped {len(left)} process(es) the run started that outlived Ray: {', '.join(left)}")
+                if reaper is not None:  # nothing of the run is left for it
+                    reaper.kill()
+                    reaper.wait()
+            stop.restore()
+            locks.release()
     report = write_report(log.path, cfg.logging.dir) if log.path.exists() else None
     return RunResult(step, stop.requested, Path(cfg.logging.dir), report)

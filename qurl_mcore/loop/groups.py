@@ -17,43 +17,69 @@ from urllib.parse import urlsplit
 import ray
 
 from .batch import Sample, TrainBatch
-from .outcome import RunFailure, error_line
+from .outcome import RunFailure, StopOverdue, StopRequest, error_line
 from .sampler import EngineFailure
 
-#: seconds a closing actor gets to stop what it runs before it is killed
-CLOSE_TIMEOUT_S = 120
+def _first_ready(pending: list, deadline: float | None, stop: StopRequest | None) -> tuple[list, list]:
+    """`ray.wait` for the first of `pending` until `deadline` (time.monotonic(); None: no deadline), waking
+    every second to raise StopOverdue once `stop`'s grace has passed."""
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return [], pending
+        ready, rest = ray.wait(pending, num_returns=1, timeout=1.0 if left is None else min(left, 1.0))
+        if ready:
+            return ready, rest
+        if stop is not None and stop.overdue():
+            raise StopOverdue(f"{stop.signal_name} {stop.grace_s:g} s ago and the step in progress has not ended "
+                              "(checkpoint.stop_grace_s): exiting without it")
 
 
-def _close(actors: list, stop: Callable[[Any], Any]) -> None:
-    """`stop(actor)` (a remote call) on each of `actors` in turn, then kill them all. Best effort: a failed
-    actor has nothing left to stop, and is killed either way."""
+def _close(actors: list, stop: Callable[[Any], Any], timeout: float) -> None:
+    """`stop(actor)` (a remote call) on every one of `actors` at once, waited for `timeout` seconds in all, then
+    kill them all. Best effort: a failed actor has nothing left to stop, and is killed either way."""
+    refs = []
     for actor in actors:
         try:
-            ray.get(stop(actor), timeout=CLOSE_TIMEOUT_S)
+            refs.append(stop(actor))
         except Exception:  # noqa: BLE001 - killed below either way
             pass
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
     for actor in actors:
         ray.kill(actor)
 
 
 class TrainerGroup:
-    """The trainer ranks, in rank order; rank r writes `logs`/trainer-<r>.log."""
+    """The trainer ranks, in rank order; rank r writes `logs`/trainer-<r>.log. Once one rank has answered a
+    call, the others have `hang_timeout` seconds (train.hang_timeout_s), also to close."""
 
-    def __init__(self, actors: list, logs: str):
+    def __init__(self, actors: list, logs: str, hang_timeout: float, stop: StopRequest | None = None):
         self.actors = actors
         self.logs = logs
+        self.hang_timeout = hang_timeout
+        self.stop = stop  # its grace bounds every wait once a stop is requested
 
     def __len__(self) -> int:
         return len(self.actors)
 
-    def _on_every_rank(self, method: str, call: Callable[[Any], Any]) -> list:
+    def _on_every_rank(self, method: str, call: Callable[[Any], Any], lag_bound: bool = True) -> list:
         """`call(rank's actor)`, the remote call of `method`, on every rank at once; their results in rank
         order. The first failure ends the wait: an EngineFailure a rank reports passes through (that engine
-        restarts); any other error is the rank's own and ends the run (RunFailure naming it)."""
+        restarts); any other error is the rank's own and ends the run (RunFailure naming it), as does a rank
+        that has not answered `hang_timeout` seconds after the first one did (unless not `lag_bound`: a call
+        whose ranks do unequal work)."""
         refs = {call(actor): rank for rank, actor in enumerate(self.actors)}
         results, pending = {}, list(refs)
+        deadline = None  # set by the first answer
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            ready, pending = _first_ready(pending, deadline, self.stop)
+            if not ready:
+                rank = min(refs[ref] for ref in pending)
+                raise RunFailure(f"trainer rank {rank} hung in {method}: no answer {self.hang_timeout:g} s after "
+                                 f"rank(s) {', '.join(map(str, sorted(results)))} answered (train.hang_timeout_s); "
+                                 f"see {self.logs}/trainer-{rank}.log")
+            deadline = deadline or (time.monotonic() + self.hang_timeout if lag_bound else None)
             rank = refs[ready[0]]
             try:
                 results[rank] = ray.get(ready[0])
@@ -113,32 +139,39 @@ class TrainerGroup:
 
     def export_hf(self, out_dir: str) -> str | None:
         """The model as an HF checkpoint in `out_dir`; returns the directory rank 0 wrote."""
-        return self._on_every_rank("export_hf", lambda t: t.export_hf.remote(out_dir))[0]
+        # rank 0 writes the whole model alone, after the others are done
+        return self._on_every_rank("export_hf", lambda t: t.export_hf.remote(out_dir), lag_bound=False)[0]
 
     def pids(self) -> list[int]:
         """The ranks' process ids, in rank order."""
         return self._on_every_rank("pid", lambda t: t.pid.remote())
 
-    def close(self) -> None:
-        """Every rank closes its weight group and Megatron's process groups; then the actors end."""
-        _close(self.actors, lambda t: t.close.remote())
+    def close(self, timeout: float | None = None) -> None:
+        """Every rank closes its weight group and Megatron's process groups, given `timeout` seconds in all
+        (default: the hang timeout); then the actors end."""
+        _close(self.actors, lambda t: t.close.remote(), self.hang_timeout if timeout is None else timeout)
 
 
 class Rollouts:
     """The rollout manager and the engine hosts, in engine order (with eval.bf16_reference the last host is
-    the reference engine's). The manager writes `logs`/rollout-manager.log."""
+    the reference engine's). The manager writes `logs`/rollout-manager.log. A host that does not answer is
+    waited for `unreachable_timeout` seconds (rollout.unreachable_timeout_s), also to stop its server."""
 
-    def __init__(self, manager, hosts: list, logs: str):
+    def __init__(self, manager, hosts: list, logs: str, unreachable_timeout: float, stop: StopRequest | None = None):
         self.manager = manager
         self.hosts = hosts
         self.logs = logs
+        self.unreachable_timeout = unreachable_timeout
+        self.stop = stop  # its grace bounds every wait once a stop is requested
         self.urls: list[str] = []  # the engines' URLs from the last `endpoints()`: a failure names a node by them
 
     def _ask(self, method: str, call: Callable[[], Any]):
         """The result of `call()`, the manager's remote call of `method`; an engine's failure passes through as
         EngineFailure, any other error ends the run (RunFailure)."""
+        ref = call()
+        _first_ready([ref], None, self.stop)
         try:
-            return ray.get(call())
+            return ray.get(ref)
         except Exception as err:  # noqa: BLE001 - classified below
             if isinstance(getattr(err, "cause", None), EngineFailure):
                 raise err.cause from None
@@ -182,26 +215,34 @@ class Rollouts:
     def restart(self, index: int) -> None:
         """Restart engine `index` (rollout.engines: the reference engine) on its node. While Ray cannot reach
         the node (the engine's host actor "unavailable": a link down, a node not yet declared dead) this
-        waits, until the host answers or Ray declares it dead. An engine whose host actor died, with its
-        node's Ray processes or the node itself, cannot be restarted: RunFailure naming the engine and the
-        node."""
+        waits, until the host answers or Ray declares it dead, at most `unreachable_timeout` seconds. An
+        engine whose host actor died, with its node's Ray processes or the node itself, or that stays
+        unreachable, cannot be restarted: RunFailure naming the engine and the node."""
         errors = ray.exceptions
+        url = self.urls[index] if index < len(self.urls) else ""
+        node = urlsplit(url).hostname or "?"
+        deadline = time.monotonic() + self.unreachable_timeout
         while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RunFailure(f"rollout engine {index}'s host on node {node} did not answer for "
+                                 f"{self.unreachable_timeout:g} s (rollout.unreachable_timeout_s); check the node "
+                                 "and its link, then resume")
             try:
-                ray.get(self.hosts[index].pid.remote())
+                ray.get(self.hosts[index].pid.remote(), timeout=left)
                 break
-            except errors.ActorUnavailableError:  # Ray has not decided yet: ask again
-                time.sleep(1.0)
+            except (errors.ActorUnavailableError, errors.GetTimeoutError):  # Ray has not decided yet: ask again
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
             except errors.RayActorError as err:
-                url = self.urls[index] if index < len(self.urls) else ""
-                raise RunFailure(f"rollout engine {index} is gone with its host on node "
-                                 f"{urlsplit(url).hostname or '?'}: {error_line(err)}; bring the node back into the "
-                                 "Ray cluster (launch/ray_cluster.sh worker) before resuming") from None
+                raise RunFailure(f"rollout engine {index} is gone with its host on node {node}: {error_line(err)}; "
+                                 "bring the node back into the Ray cluster (launch/ray_cluster.sh worker) before "
+                                 "resuming") from None
             except Exception:  # noqa: BLE001 - the host answered, with an error of its engine's: it is there
                 break
         self._ask("restart", lambda: self.manager.restart.remote(index))
 
-    def close(self) -> None:
-        """Every host stops its engine server; then the hosts and the manager end."""
-        _close(self.hosts, lambda h: h.shutdown.remote())
+    def close(self, timeout: float | None = None) -> None:
+        """Every host stops its engine server, given `timeout` seconds in all (default: the unreachable
+        timeout); then the hosts and the manager end."""
+        _close(self.hosts, lambda h: h.shutdown.remote(), self.unreachable_timeout if timeout is None else timeout)
         ray.kill(self.manager)

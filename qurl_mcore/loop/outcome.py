@@ -10,8 +10,11 @@ the stop request a signal turns into.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
+import time
 
 EXIT_FINISHED = 0
 EXIT_FAILED = 1
@@ -40,19 +43,59 @@ class RunFailure(RuntimeError):
     failing, the cluster never placed the run): the message names the actor and the cause."""
 
 
+@contextlib.contextmanager
+def shielded_children(signals=(signal.SIGTERM,)):
+    """The processes started meanwhile (a local Ray's daemons and workers, and what they start) begin with
+    `signals` blocked, a mask they keep: a signal to the whole process group (`timeout`, a scheduler) reaches
+    this process alone, which checkpoints and then stops them, instead of killing Ray's GCS under it. This
+    process's own mask is back afterwards (its threads started meanwhile keep it: the signal goes to the
+    main thread, where Python handles it)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+class StopOverdue(RuntimeError):
+    """A stop was requested and the step in progress did not end within its grace: the run exits without it."""
+
+
 class StopRequest:
     """Turns SIGTERM (Slurm preemption, the job script's time-limit warning) and SIGINT (Ctrl-C) into a flag
     the loop checks between steps and while it waits, so it checkpoints and exits instead of dying mid-step.
-    A second SIGINT interrupts at once (KeyboardInterrupt)."""
+    A second SIGINT interrupts at once (KeyboardInterrupt). The signal is acknowledged on stderr at once; a
+    step still in progress `grace_s` seconds later is abandoned (`overdue`, `StopOverdue`). `restore` puts back
+    the handlers it replaced."""
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), grace_s: float = 20.0):
         self.requested = False
         self.signal_name = ""
-        for sig in signals:
-            signal.signal(sig, self._on_signal)
+        self.grace_s = grace_s
+        self.requested_at = 0.0
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+
+    def overdue(self) -> bool:
+        """Whether a stop was requested more than `grace_s` seconds ago, while steps were running."""
+        return self.requested and time.monotonic() - self.requested_at > self.grace_s
+
+    def steps_ended(self) -> None:
+        """No step is running any more: what follows (the stop's checkpoint) is not cut short by the grace."""
+        self.grace_s = float("inf")
+
+    def restore(self) -> None:
+        """The signals' handlers as they were before this request took them."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _on_signal(self, signum, _frame) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested = True
+        if self.requested:
+            return
+        self.requested, self.requested_at = True, time.monotonic()
         self.signal_name = signal.Signals(signum).name
+        # os.write: a signal handler must not re-enter the buffered stream it may have interrupted
+        os.write(2, f"\nqurl train: {self.signal_name} received: checkpointing after the step in progress, or "
+                    f"exiting without it if it takes over {self.grace_s:g} s (checkpoint.stop_grace_s)\n".encode())

@@ -7,6 +7,7 @@ Both are plain classes; `actors.py` runs them as Ray actors.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -22,7 +23,7 @@ from qurl_mcore.recipe import EngineRecipe
 from qurl_mcore.rollout import MEMORY_TAGS, EngineConfig, Generation, HttpEngine
 from qurl_mcore.models.registry import shape
 from qurl_mcore.rollout.engine import moe_shape
-from qurl_mcore.rollout.results import RequestRefused
+from qurl_mcore.rollout.results import NonFiniteLogprobs, RequestRefused
 from qurl_mcore.sglang.options import QUANTIZED_LOG_ENV
 from qurl_mcore.tasks import Example, addition_examples, chat_ids, load_examples, load_reward, score_all
 from qurl_mcore.transfer import bind_gloo_towards
@@ -159,14 +160,21 @@ class EngineHost:
 def prompt_indices(num_examples: int, step: int, per_step: int, seed: int) -> list[int]:
     """The prompts of `step`: positions step·P .. step·P + P − 1 of an endless stream of epochs, epoch e a
     permutation of the prompt set seeded by (seed, e). A pure function of the step, so a resumed run takes
-    exactly the prompts the uninterrupted run would have."""
+    exactly the prompts the uninterrupted run would have. Each epoch's permutation is made once and kept
+    while the steps go through it (`epoch_order`)."""
     out = []
     for position in range(step * per_step, (step + 1) * per_step):
         epoch, offset = divmod(position, num_examples)
-        order = list(range(num_examples))
-        random.Random(f"{seed}-{epoch}").shuffle(order)
-        out.append(order[offset])
+        out.append(epoch_order(num_examples, seed, epoch)[offset])
     return out
+
+
+@functools.lru_cache(maxsize=2)  # the epoch a step is in, and the one before while a step spans both
+def epoch_order(num_examples: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """Epoch `epoch`'s permutation of 0 .. num_examples − 1, seeded by (seed, epoch)."""
+    order = list(range(num_examples))
+    random.Random(f"{seed}-{epoch}").shuffle(order)
+    return tuple(order)
 
 
 def load_prompt_set(cfg: Config) -> list[Example]:
@@ -281,7 +289,8 @@ class RolloutManager:
             try:
                 out.append(_ray().get(future))
             except Exception as err:  # noqa: BLE001 - any transport/engine error means this engine must restart
-                if isinstance(getattr(err, "cause", err), RequestRefused):  # a request's own error: no restart
+                # a request's own error, or the weights': no restart fixes it
+                if isinstance(getattr(err, "cause", err), (RequestRefused, NonFiniteLogprobs)):
                     raise getattr(err, "cause", err) from None
                 raise EngineFailure(index, error_line(err)) from None
         return out

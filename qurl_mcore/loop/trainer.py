@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -47,7 +48,7 @@ from qurl_mcore.rollout.codes import CodePush, engine_units
 from qurl_mcore.sglang.options import REQUANTS
 from qurl_mcore.smoothing import calibrate, fold_table, smooth_buckets
 from qurl_mcore.tasks import chat_ids
-from qurl_mcore.transfer import bind_gloo_towards, free_port
+from qurl_mcore.transfer import bind_gloo_towards, bind_stores_to_their_address, free_port
 from qurl_mcore.uaq import update_capture_ratio
 
 from .batch import TrainBatch
@@ -101,6 +102,7 @@ class PolicyTrainer:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         self.master_addr = master_addr  # rank 0's endpoints listen there: its rendezvous, the weight group
         bind_gloo_towards(master_addr)  # rank 0's node: the trainer's groups and the engines' broadcast group
+        bind_stores_to_their_address()  # the rendezvous of the weight group rank 0 hosts, too
         init_parallel(t.tp_size, t.ep_size, pipeline_parallel=t.pp_size, seed=cfg.seed, rank=rank,
                       world_size=world_size)
         from megatron.core import parallel_state as ps
@@ -119,6 +121,7 @@ class PolicyTrainer:
             lambda m: load_hf_weights(m, self.hf_dir))
         self.model = build_gpt(self.hf_dir, **build)
         start(self.model)
+        _refuse_non_finite(self.model, cfg.model.load or str(self.hf_dir))
         if cfg.uaq.enabled:
             # training runs in the rescaled parameterisation, so every update is s times larger relative to
             # the rollout's quantization step (QuRL §4.3); the function computed is unchanged
@@ -461,7 +464,8 @@ class PolicyTrainer:
         failure: Exception | None = None
         with self.weight_stream(smoothed=True) as stream:
             codes = self._code_push()
-            out = codes.buckets(stream) if codes is not None else stream
+            # the trainer's quantization of a code push is part of its export: its errors are the trainer's too
+            out = _exported(codes.buckets(stream) if codes is not None else stream)
             try:
                 pushed: list[int] = []
                 if self.sender is not None:
@@ -473,11 +477,10 @@ class PolicyTrainer:
                                                  bucket_bytes=self.cfg.rollout.push_bucket_mb << 20)
                 for k in pushed if codes is not None and self.cfg.rollout.verify_push else ():
                     self.engines[k].verify_push(codes)
-            except WeightSpecError:
-                raise  # our export disagrees with the checkpoint or the engine's codes: no engine restart fixes that
+            except (WeightSpecError, WeightExportError):
+                raise  # our export is wrong or failed, or the engine's codes differ: no engine restart fixes that
             except Exception as err:  # noqa: BLE001 - a transport or engine error: that engine restarts
-                k = err.engine if isinstance(err, WeightPushError) and err.engine is not None else targets[0]
-                failure = EngineFailure(self.engine_ids[k], f"weight push: {type(err).__name__}: {err}"[:2000])
+                failure = self._engine_failure(err, targets)
         if failure is not None:
             raise failure
         return time.perf_counter() - start
@@ -493,19 +496,34 @@ class PolicyTrainer:
         return CodePush(options.recipe.spec, self._units, send=options.codes, quantizer=REQUANTS[options.requant],
                         verify=self.cfg.rollout.verify_push)
 
+    def _engine_failure(self, err: Exception, targets: list[int]) -> EngineFailure:
+        """The EngineFailure of a push to `targets` (indices into `self.engines`) that raised `err`: the engine
+        the error names, else the only target, else (a broadcast whose group broke) the first target that no
+        longer answers. When every target still answers, the fault is on this side: RuntimeError."""
+        k = err.engine if isinstance(err, WeightPushError) and err.engine is not None else None
+        if k is None and len(targets) == 1:
+            k = targets[0]
+        if k is None:
+            k = next((t for t in targets if not _answers(self.engines[t])), None)
+        if k is None:
+            raise RuntimeError(f"weight push failed while every engine still answers: {type(err).__name__}: "
+                               f"{err}"[:2000]) from err
+        return EngineFailure(self.engine_ids[k], f"weight push: {type(err).__name__}: {err}"[:2000])
+
     def push_reference(self, endpoint: tuple[str, str | None], version: str) -> float:
         """Collective, like `push_weights`: the weights, as weight `version`, to the BF16 reference engine at
         `endpoint` (eval.bf16_reference; it shares rank 0's bundle, and rank 0 sends). Returns the seconds
         taken; raises EngineFailure naming it (engine number rollout.engines) when the push fails."""
         start = time.perf_counter()
         with self.weight_stream() as stream:
+            stream = _exported(stream)
             try:
                 if self.rank == 0:
                     engine = HttpEngine(reference_engine_config(self.cfg, str(self.hf_dir), self.device.type),
                                         endpoint[0], api_key=endpoint[1])
                     engine.push_weights((nt for bucket in stream for nt in bucket), version,
                                         bucket_bytes=self.cfg.rollout.push_bucket_mb << 20)
-            except WeightSpecError:
+            except (WeightSpecError, WeightExportError):
                 raise
             except Exception as err:  # noqa: BLE001 - a transport or engine error: the reference engine restarts
                 reason = f"weight push: {type(err).__name__}: {err}"[:2000]
@@ -552,10 +570,11 @@ class PolicyTrainer:
         (partial / ckpt.TRAINER_DIR).mkdir(parents=True, exist_ok=True)
         state = {**sharded_state(self.stack), "rng": self._rng_shard()}
         records = []
-        if self.cfg.checkpoint.async_save:
-            self.background_save.start(state, partial / ckpt.TRAINER_DIR)
-        else:
-            records = _trainer_records(partial / ckpt.TRAINER_DIR, save(state, partial / ckpt.TRAINER_DIR))
+        with _space_named(partial):
+            if self.cfg.checkpoint.async_save:
+                self.background_save.start(state, partial / ckpt.TRAINER_DIR)
+            else:
+                records = _trainer_records(partial / ckpt.TRAINER_DIR, save(state, partial / ckpt.TRAINER_DIR))
         if self.rank == 0 and self.smoothing_scales is not None:  # alike on every rank: one copy
             records.append(ckpt.write_file(root, step, SMOOTHING_FILE, self._smoothing_state()))
         return records
@@ -564,7 +583,10 @@ class PolicyTrainer:
         """Collective: wait until every rank's files of the save in flight (checkpoint.async_save) are
         written; the records of this rank's ([] when no save is in flight)."""
         directory = self.background_save.directory
-        return [] if directory is None else _trainer_records(directory, self.background_save.wait())
+        if directory is None:
+            return []
+        with _space_named(directory.parent):
+            return _trainer_records(directory, self.background_save.wait())
 
     def _rng_shard(self):
         """This rank's random generators as its slice of a per-rank object (Megatron-LM's "rng_state"): loaded
@@ -658,3 +680,49 @@ def _mean_over_parts(records: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for r in records for k in r if k != "nonfinite"}
     return {k: max(r[k] for r in records if k in r) if k.endswith("/max") else
             sum(r[k] for r in records if k in r) / sum(k in r for r in records) for k in keys}
+
+
+class WeightExportError(RuntimeError):
+    """This rank's own export of its weights failed (a missing tensor, out of memory while gathering or folding
+    the smoothing scales): the trainer's fault, which ends the run; no engine restart fixes it."""
+
+
+def _exported(stream):
+    """The buckets of `stream` (a `weight_stream`), an error raised while making one re-raised as
+    WeightExportError: the consumers of a push (an engine client, a broadcast) see it as theirs otherwise."""
+    try:
+        yield from stream
+    except Exception as err:  # noqa: BLE001 - every error of the export is the trainer's
+        raise WeightExportError(f"exporting this rank's weights: {type(err).__name__}: {err}"[:2000]) from err
+
+
+def _answers(engine) -> bool:
+    """Whether `engine` still answers a request (its model info)."""
+    try:
+        engine.model_info()
+    except Exception:  # noqa: BLE001 - any failure to answer
+        return False
+    return True
+
+
+def _refuse_non_finite(model: torch.nn.Module, source: str) -> None:
+    """ValueError naming the first parameter of `model`, just loaded from `source`, that holds a NaN or an
+    infinity: every step would be skipped and every rollout's log-probs be NaN."""
+    for name, p in model.named_parameters():
+        bad = int((~torch.isfinite(p)).sum())
+        if bad:
+            raise ValueError(f"{source}: weight {name} holds {bad} non-finite value(s) (NaN or Inf) of {p.numel()}; "
+                             "the model cannot train from it: fix or replace the checkpoint")
+
+
+@contextlib.contextmanager
+def _space_named(partial: Path):
+    """Megatron's distributed save into step directory `partial`: a full disk (which it reports as a short
+    write, "unexpected pos") raised as `checkpoint.no_space`, with the partial directory removed."""
+    try:
+        yield
+    except Exception as err:
+        if not ckpt.out_of_space(err, partial):
+            raise
+        shutil.rmtree(partial, ignore_errors=True)  # every rank: whatever each of them wrote
+        raise ckpt.no_space(partial) from None

@@ -2,10 +2,11 @@
 
 Megatron-Core assumes a GPU in a handful of places even when every tensor lives on the CPU. Each fix below
 replaces one such assumption with its CPU meaning; none changes any numerics. `apply_cpu_compat()` applies
-them once per process, before or after megatron is imported (every fix patches the attribute that megatron
-reads at call time): all of them when `torch.cuda.is_available()` is False, and on a GPU only the ones that
-are bugs of megatron-core rather than CPU adaptations (`GPU_FIXES`: te_general_gemm, which an MoE without
-Transformer Engine needs on any device).
+them, before or after megatron is imported (every fix patches the attribute that megatron reads at call
+time): all of them when `torch.cuda.is_available()` is False, and on a GPU only the ones that are bugs of
+megatron-core rather than CPU adaptations (`GPU_FIXES`: te_general_gemm, which an MoE without Transformer
+Engine needs on any device). `revert_cpu_compat()` puts back every attribute they replaced
+(`parallel.destroy_parallel` calls it: the fixes live as long as Megatron's process groups).
 
 With them Megatron's own training stack runs on the CPU: `DistributedDataParallel`, `finalize_model_grads`,
 the schedules' `get_forward_backward_func` and `get_megatron_optimizer` (fp32). Not on the CPU: the
@@ -18,30 +19,69 @@ import contextlib
 import functools
 import importlib
 import logging
+from typing import Callable
 
 import torch
 
 _APPLIED: list[str] = []
+#: what undoes each change the fixes made, in the order they made them
+_UNDO: list[Callable[[], None]] = []
+
+
+def _replace(owner: object, name: str, value: object) -> None:
+    """`owner.name = value` (a module's or a class's own attribute), undone by `revert_cpu_compat`."""
+    if name in vars(owner):
+        _UNDO.append(functools.partial(setattr, owner, name, vars(owner)[name]))
+    else:
+        _UNDO.append(functools.partial(delattr, owner, name))
+    setattr(owner, name, value)
 
 
 def _current_device() -> None:
     """torch.cuda.current_device() -> cpu. Megatron passes `device=torch.cuda.current_device()` in ~40
     places (rotary embedding, router, experts, TP mappings, buffers); CPU torch raises there."""
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    _replace(torch.cuda, "current_device", lambda: torch.device("cpu"))
+
+
+@contextlib.contextmanager
+def _cpu_generator_as_cuda(seed: int):
+    """For the duration: torch.cuda's generator calls mean the CPU generator, seeded by `seed`; then the CPU
+    generator is as it was."""
+    before = torch.get_rng_state()
+    torch.manual_seed(seed)
+    saved = torch.cuda.get_rng_state, torch.cuda.manual_seed
+    torch.cuda.get_rng_state, torch.cuda.manual_seed = lambda device="cuda": torch.get_rng_state(), lambda s: None
+    try:
+        yield
+    finally:
+        torch.cuda.get_rng_state, torch.cuda.manual_seed = saved
+        torch.set_rng_state(before)
 
 
 def _rng_tracker() -> None:
     """The "CUDA" RNG of megatron's RNG tracker is the CPU generator. The tracker is needed even without
-    dropout (DotProductAttention always forks it), and it seeds and saves CUDA generator states."""
+    dropout (DotProductAttention always forks it), and it seeds and saves CUDA generator states: a tracked
+    state is the CPU generator seeded by the state's seed, made without moving the CPU generator itself
+    (`model_parallel_cuda_manual_seed`'s seeding of the default CUDA generator stays CPU torch's lazy no-op)."""
     # the module a fix patches, imported only when the fix applies (a GPU applies GPU_FIXES alone)
     import megatron.core.tensor_parallel.random as mrandom
 
-    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    torch.cuda.manual_seed = torch.manual_seed
+    _replace(mrandom, "_get_cuda_rng_state",
+             lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+    _replace(mrandom, "_set_cuda_rng_state",
+             lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+    add = mrandom.CudaRNGStatesTracker.add
+
+    @functools.wraps(add)
+    def add_on_cpu(self, name, seed):
+        with _cpu_generator_as_cuda(seed):
+            add(self, name, seed)
+
+    _replace(mrandom.CudaRNGStatesTracker, "add", add_on_cpu)
     # fork() warns whenever the CPU generator advanced inside a "GPU" RNG context: now it always does.
-    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+    logger = logging.getLogger(mrandom.__name__)
+    _UNDO.append(functools.partial(logger.setLevel, logger.level))
+    logger.setLevel(logging.ERROR)
 
 
 def _te_general_gemm() -> None:
@@ -51,7 +91,7 @@ def _te_general_gemm() -> None:
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+        _replace(moe_utils, "te_general_gemm", None)
 
 
 def _mla_without_te() -> None:
@@ -62,7 +102,7 @@ def _mla_without_te() -> None:
     import megatron.core.transformer.multi_latent_attention as mla
 
     if not isinstance(mla.TELinear, type):
-        mla.HAVE_TE = False
+        _replace(mla, "HAVE_TE", False)
 
 
 class _NoopEvent:
@@ -94,10 +134,10 @@ def _streams() -> None:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     stream = _NoopStream()
-    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
-    torch.cuda.current_stream = lambda *args, **kwargs: stream
-    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
-    torch.cuda.synchronize = lambda *args, **kwargs: None  # pipeline p2p waits for its sends this way
+    _replace(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", stream)
+    _replace(torch.cuda, "current_stream", lambda *args, **kwargs: stream)
+    _replace(torch.cuda, "stream", lambda *args, **kwargs: contextlib.nullcontext())
+    _replace(torch.cuda, "synchronize", lambda *args, **kwargs: None)  # pipeline p2p waits for its sends this way
 
 
 def _split_sizes_as_numpy() -> None:
@@ -116,8 +156,8 @@ def _split_sizes_as_numpy() -> None:
             return tensor.numpy()
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _replace(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    _replace(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
 
 
 def _causal_masks() -> None:
@@ -136,8 +176,8 @@ def _causal_masks() -> None:
         return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
 
     for module in (transformer_utils, fused_softmax):
-        module.get_default_causal_mask = get_default_causal_mask
-        module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+        _replace(module, "get_default_causal_mask", get_default_causal_mask)
+        _replace(module, "get_sliding_window_causal_mask", get_sliding_window_causal_mask)
 
 
 class _TorchOnCpu:
@@ -175,8 +215,7 @@ def _cuda_devices() -> None:
     the CPU. Each of those modules reads a `torch` whose factory functions say so (`_TorchOnCpu`); the model's
     own operations are untouched (no per-operation cost)."""
     for name in _CUDA_ALLOCATING:
-        module = importlib.import_module(name)
-        module.torch = _TorchOnCpu(torch)
+        _replace(importlib.import_module(name), "torch", _TorchOnCpu(torch))
 
 
 def _clip_grads() -> None:
@@ -194,7 +233,8 @@ def _clip_grads() -> None:
                 if g is not None:
                     g.detach().mul_(coeff)
 
-    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    _replace(clip_grads, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
+    _replace(optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
 
 
 #: (name, fix) in the order they are applied; docs/megatron.md describes each.
@@ -214,8 +254,8 @@ GPU_FIXES = ("te_general_gemm", "mla_without_te")
 
 
 def apply_cpu_compat() -> tuple[str, ...]:
-    """Apply the fixes this process needs, once: all of them without CUDA, `GPU_FIXES` with it. Returns the
-    names of the fixes active in this process."""
+    """Apply the fixes this process needs, once until `revert_cpu_compat`: all of them without CUDA,
+    `GPU_FIXES` with it. Returns the names of the fixes active in this process."""
     if not _APPLIED:
         cuda = torch.cuda.is_available()
         for name, fix in FIXES:
@@ -223,3 +263,11 @@ def apply_cpu_compat() -> tuple[str, ...]:
                 fix()
                 _APPLIED.append(name)
     return tuple(_APPLIED)
+
+
+def revert_cpu_compat() -> None:
+    """Put back every attribute the fixes replaced, newest first; the next `apply_cpu_compat` applies them
+    again."""
+    while _UNDO:
+        _UNDO.pop()()
+    _APPLIED.clear()

@@ -15,9 +15,9 @@ import torch.multiprocessing as mp
 from megatron.core import parallel_state
 from megatron.core import tensor_parallel as mtp
 
-from qurl_mcore.transfer import bind_stores_to_their_address, comm_backend, free_port
+from qurl_mcore.transfer import comm_backend, free_port, stores_bound_to_their_address
 
-from .cpu_compat import apply_cpu_compat
+from .cpu_compat import apply_cpu_compat, revert_cpu_compat
 
 
 def init_parallel(
@@ -37,19 +37,19 @@ def init_parallel(
     defaults to 1 when experts are sharded (EP > 1), else to `tensor_parallel`.
     """
     apply_cpu_compat()
-    bind_stores_to_their_address()
     bind_device()  # before NCCL's communicators, which take the current device
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         if "MASTER_PORT" in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            dist.init_process_group(comm_backend(), rank=rank, world_size=world_size)
+            init_method = None
         elif world_size != 1:
             raise RuntimeError("MASTER_PORT is not set; every rank needs the same rendezvous port")
         else:  # the port stays out of the environment: a child process would inherit it while this one holds it
-            dist.init_process_group(comm_backend(), init_method=f"tcp://127.0.0.1:{free_port()}", rank=rank,
-                                    world_size=1)
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+        with stores_bound_to_their_address():
+            dist.init_process_group(comm_backend(), init_method=init_method, rank=rank, world_size=world_size)
     if expert_tensor_parallel is None:
         expert_tensor_parallel = 1 if expert_parallel > 1 else tensor_parallel
     parallel_state.initialize_model_parallel(
@@ -77,10 +77,11 @@ def current_device() -> torch.device:
 
 
 def destroy_parallel() -> None:
-    """Tear down Megatron's groups and the default process group."""
+    """Tear down Megatron's groups and the default process group, and undo `init_parallel`'s CPU fixes."""
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    revert_cpu_compat()
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:

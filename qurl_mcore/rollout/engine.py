@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -311,6 +312,10 @@ class RolloutEngine(ABC):
         self.shutdown()
 
 
+#: held while a LocalEngine shuts down (its swap of SGLang's process-tree kill)
+_SHUTDOWN = threading.Lock()
+
+
 class LocalEngine(RolloutEngine):
     """An in-process `sglang.Engine` (its scheduler runs in a child process)."""
 
@@ -341,23 +346,25 @@ class LocalEngine(RolloutEngine):
         """Stop the engine and the processes it started, and no other. SGLang 0.5.23's `Engine.shutdown`
         SIGKILLs every descendant of this process, whoever started it (a trainer's checkpoint writer, Megatron's
         multiprocessing Manager, data loader workers): its process-tree kill is pointed at this engine's own
-        children for the duration of the call."""
+        children for the duration of the call. One engine shuts down at a time (`_SHUTDOWN`): two threads
+        swapping the function at once would each kill the other's processes and leave the swap behind."""
         from sglang.srt.entrypoints import engine as sglang_engine
 
-        kill_tree = sglang_engine.kill_process_tree
+        with _SHUTDOWN:
+            kill_tree = sglang_engine.kill_process_tree
 
-        def kill_own(parent_pid, include_parent=True, **kw):
-            if parent_pid in (None, os.getpid()) and not include_parent:
-                for pid in self._processes:
-                    kill_tree(pid, include_parent=True, **kw)
-            else:
-                kill_tree(parent_pid, include_parent=include_parent, **kw)
+            def kill_own(parent_pid, include_parent=True, **kw):
+                if parent_pid in (None, os.getpid()) and not include_parent:
+                    for pid in self._processes:
+                        kill_tree(pid, include_parent=True, **kw)
+                else:
+                    kill_tree(parent_pid, include_parent=include_parent, **kw)
 
-        sglang_engine.kill_process_tree = kill_own
-        try:
-            self.engine.shutdown()
-        finally:
-            sglang_engine.kill_process_tree = kill_tree
+            sglang_engine.kill_process_tree = kill_own
+            try:
+                self.engine.shutdown()
+            finally:
+                sglang_engine.kill_process_tree = kill_tree
 
 
 def _child_pids() -> set[int]:

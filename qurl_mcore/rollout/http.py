@@ -18,6 +18,7 @@ import time
 import requests
 import torch.multiprocessing as mp
 
+from qurl_mcore.parent_death import with_parent_death
 from qurl_mcore.transfer import free_port
 
 from .engine_config import EngineConfig
@@ -46,7 +47,8 @@ class HttpEngine(RolloutEngine):
                api_key: str | None = None, startup_timeout: float = 300.0, timeout: float = 600.0,
                env: dict[str, str] | None = None, log_path: str | None = None) -> "HttpEngine":
         """Start `python -m sglang.launch_server` in its own process group, with `env` added to its
-        environment, and wait until it serves. Its output goes to the end of `log_path`, which stays; by
+        environment and SIGKILL for it when this process dies (`qurl_mcore.parent_death`), and wait until it
+        serves. Its output goes to the end of `log_path`, which stays; by
         default to a temporary file, removed at shutdown unless the server failed.
 
         Without `port`, one that is free is chosen; the server binds it only once its model is loaded, tens of
@@ -90,7 +92,9 @@ class HttpEngine(RolloutEngine):
             fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(f"api-key: {json.dumps(api_key)}\n")
-        argv = [sys.executable, "-m", "sglang.launch_server", *config.server_argv(host, port, config_file)]
+        # killed with this process (an OOM-killed engine host), or it would keep its GPU memory and port
+        argv = with_parent_death([sys.executable, "-m", "sglang.launch_server",
+                                  *config.server_argv(host, port, config_file)])
         with open(log_path, "a") as log:  # the server holds its own descriptor
             process = subprocess.Popen(argv, env={**os.environ, **config.environment(), **(env or {})},
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -40,6 +40,24 @@ class RequestRefused(ValueError):
     hold): the request's error, which restarting the engine cannot fix."""
 
 
+class NonFiniteLogprobs(ValueError):
+    """The engine returned a NaN or +inf log-probability (SGLang's JSON carries NaN as null): the weights it
+    serves, or its activations, are non-finite; restarting the engine cannot fix it."""
+
+
+def _logprobs(entries: list, what: str) -> list[float]:
+    """The log-probs of SGLang's (log-prob, token id, ...) `entries`; NonFiniteLogprobs naming the first bad
+    one of `what` when one is NaN (null) or +inf (-inf is a probability of 0, which a prompt token can have)."""
+    values = [float("nan") if t[0] is None else float(t[0]) for t in entries]
+    bad = [i for i, v in enumerate(values) if v != v or v == float("inf")]
+    if bad:
+        raise NonFiniteLogprobs(f"the engine returned {len(bad)} non-finite log-prob(s) of {len(values)} for the "
+                                f"{what} tokens, the first at token {bad[0]} ({values[bad[0]]}): the weights it "
+                                "serves or its activations are NaN/Inf; check the model's and the pushed weights "
+                                "(train/grad_norm, train/skipped_nonfinite)")
+    return values
+
+
 def _refusal(out: Any) -> str | None:
     """SGLang's reason if `out` is a refusal rather than a generation, else None. Two shapes (0.5.23): a
     request refused before scheduling answers `{"error": {"message": ...}}` (HTTP 400, `_create_error_response`);
@@ -57,7 +75,8 @@ def _refusal(out: Any) -> str | None:
 
 def parse_batch(outs: Any, input_ids: list[list[int]], moe_shape: tuple[int, int] | None) -> list[Generation]:
     """The `Generation`s of one /generate call of len(input_ids) prompts. RequestRefused names the prompt (its
-    index and length) and SGLang's reason when the engine refused the call or one of its requests."""
+    index and length) and SGLang's reason when the engine refused the call or one of its requests;
+    NonFiniteLogprobs names the prompt and the token whose log-prob is NaN or +inf."""
     longest = max(range(len(input_ids)), key=lambda i: len(input_ids[i]), default=0)
     problem = _refusal(outs) if not isinstance(outs, list) else None
     if problem is not None:  # the whole call refused: SGLang checks every prompt before it schedules any
@@ -67,7 +86,13 @@ def parse_batch(outs: Any, input_ids: list[list[int]], moe_shape: tuple[int, int
         problem = _refusal(out)
         if problem is not None:
             raise RequestRefused(f"the engine refused prompt #{i} ({len(input_ids[i])} tokens): {problem}")
-    return [parse(out, ids, moe_shape) for out, ids in zip(outs, input_ids)]
+    parsed = []
+    for i, (out, ids) in enumerate(zip(outs, input_ids)):
+        try:
+            parsed.append(parse(out, ids, moe_shape))
+        except NonFiniteLogprobs as err:
+            raise NonFiniteLogprobs(f"prompt #{i}: {err}") from None
+    return parsed
 
 
 def parse(out: dict[str, Any], prompt_ids: list[int], moe_shape: tuple[int, int] | None) -> Generation:
@@ -79,8 +104,8 @@ def parse(out: dict[str, Any], prompt_ids: list[int], moe_shape: tuple[int, int]
     return Generation(
         prompt_ids=list(prompt_ids),
         output_ids=[int(t[1]) for t in output],
-        output_logprobs=[float(t[0]) for t in output],
-        prompt_logprobs=[float(t[0]) for t in prompt[1:]] if prompt else None,  # token 0 has no log-prob
+        output_logprobs=_logprobs(output, "output"),
+        prompt_logprobs=_logprobs(prompt[1:], "prompt") if prompt else None,  # token 0 has no log-prob
         text=out.get("text", ""),
         finish_reason=meta.get("finish_reason"),
         weight_version=meta.get("weight_version"),

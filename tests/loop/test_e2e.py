@@ -61,7 +61,10 @@ def test_dense_loop_logs_every_metric_checkpoints_and_reports(dense_run):
 def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(dense_run, tmp_path):
     """Both parts write their checkpoints in the background (checkpoint.async_save): the stop waits for its
     checkpoint, the resumed run publishes each one during the next step's rollout and the last at its end."""
-    process = start(tmp_path, "model.path=tiny-llama", "steps=3", "checkpoint.async_save=true", *GREEDY)
+    # the step in progress gets all the time it needs to end and be checkpointed (on this loaded machine a step
+    # may take longer than the default checkpoint.stop_grace_s, after which the run would exit without it)
+    process = start(tmp_path, "model.path=tiny-llama", "steps=3", "checkpoint.async_save=true",
+                    "checkpoint.stop_grace_s=600", *GREEDY)
     wait_for_step(tmp_path, process, 1)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=300) == 75  # EXIT_STOPPED: checkpoint written, run the same command to resume

@@ -5,6 +5,7 @@ expects. A renamed or re-signed actor method fails here, not in the middle of a 
 from __future__ import annotations
 
 import inspect
+import time
 
 import pytest
 import ray
@@ -18,13 +19,15 @@ from qurl_mcore.loop.sampler import EngineFailure, EngineHost, RolloutManager
 from qurl_mcore.loop.trainer import PolicyTrainer
 
 LOGS = "runs/x/logs"
+HANG_S = 30.0
 
 
 class Ref:
-    """A finished remote call: its value, or the error `ray.get` raises."""
+    """A remote call: its value, or the error `ray.get` raises; a `hung` one never finishes."""
 
-    def __init__(self, value=None, error: Exception | None = None):
-        self.value, self.error = value, error
+    def __init__(self, value=None, error: Exception | None = None, hung: bool = False, waits: int = 0):
+        self.value, self.error, self.hung = value, error, hung
+        self.waits = waits  # the `ray.wait` calls that pass before it finishes (a slow call)
 
 
 class Handle:
@@ -53,15 +56,33 @@ class Handle:
 
 @pytest.fixture
 def fake_ray(monkeypatch):
-    """`ray.wait`, `ray.get` and `ray.kill` over `Ref`s: calls finish in the order they were made."""
+    """`ray.wait`, `ray.get` and `ray.kill` over `Ref`s: calls finish in the order they were made, a hung one
+    never (a wait on it without a timeout fails the test instead of hanging it). Returns the waits made, as
+    (refs waited on, num_returns, timeout)."""
+    waits = []
+
+    def wait(refs, num_returns=1, timeout=None):
+        waits.append((len(refs), num_returns, timeout))
+        done = [ref for ref in refs if not ref.hung and ref.waits <= 0][:num_returns]
+        for ref in refs:
+            ref.waits -= 1
+        if len(done) < num_returns and timeout is None:
+            raise AssertionError("ray.wait without a timeout on a call that never ends")
+        return done, [ref for ref in refs if ref not in done]
+
     def get(ref, timeout=None):
+        if ref.hung:
+            if timeout is None:
+                raise AssertionError("ray.get without a timeout on a call that never ends")
+            raise ray.exceptions.GetTimeoutError()
         if ref.error is not None:
             raise ref.error
         return ref.value
 
-    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1: (refs[:num_returns], refs[num_returns:]))
+    monkeypatch.setattr(ray, "wait", wait)
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(ray, "kill", lambda actor: None)
+    return waits
 
 
 ANSWERS = {"push_weights": 2.0, "push_reference": 3.0, "quantized_linears": {"model.layers.0.mlp.up_proj"},
@@ -108,13 +129,13 @@ def _public(cls: type) -> set[str]:
 
 
 def _trainers(world: int, calls: list[str], answer=lambda name: Ref(ANSWERS.get(name))) -> TrainerGroup:
-    return TrainerGroup([Handle(PolicyTrainer, calls, answer) for _ in range(world)], LOGS)
+    return TrainerGroup([Handle(PolicyTrainer, calls, answer) for _ in range(world)], LOGS, HANG_S)
 
 
 def _rollouts(calls: list[str], host_answer=lambda name: Ref(ANSWERS.get(name)),
               answer=lambda name: Ref(ANSWERS.get(name))) -> Rollouts:
     hosts = [Handle(EngineHost, calls, host_answer) for _ in range(2)]
-    return Rollouts(Handle(RolloutManager, calls, answer), hosts, LOGS)
+    return Rollouts(Handle(RolloutManager, calls, answer), hosts, LOGS, HANG_S)
 
 
 def test_every_trainer_group_method_reaches_its_trainer_method_on_every_rank(fake_ray):
@@ -163,16 +184,16 @@ def test_a_failed_rank_ends_the_run_naming_it_and_an_engine_failure_passes_throu
 
     # the ranks' handles share one answer stream: rank 0 answers first, rank 1 second
     answer = rank_1_fails(RayTaskError("push_weights", "tb", ValueError("bad\nmore")))
-    group = TrainerGroup([Handle(PolicyTrainer, [], answer) for _ in range(2)], LOGS)
+    group = TrainerGroup([Handle(PolicyTrainer, [], answer) for _ in range(2)], LOGS, HANG_S)
     with pytest.raises(RunFailure) as failure:
         group.push_weights("step-1")
     assert str(failure.value) == f"trainer rank 1 failed in push_weights: ValueError: bad; see {LOGS}/trainer-1.log"
     answer = rank_1_fails(ActorDiedError())
-    group = TrainerGroup([Handle(PolicyTrainer, [], answer) for _ in range(2)], LOGS)
+    group = TrainerGroup([Handle(PolicyTrainer, [], answer) for _ in range(2)], LOGS, HANG_S)
     with pytest.raises(RunFailure, match=f"trainer rank 1 failed in pid: .*; see {LOGS}/trainer-1.log"):
         group.pids()
     answer = rank_1_fails(RayTaskError("push_weights", "tb", EngineFailure(1, "refused")))
-    group = TrainerGroup([Handle(PolicyTrainer, [], answer) for _ in range(2)], LOGS)
+    group = TrainerGroup([Handle(PolicyTrainer, [], answer) for _ in range(2)], LOGS, HANG_S)
     with pytest.raises(EngineFailure) as engine:
         group.push_weights("step-1")
     assert engine.value.index == 1 and engine.value.reason == "refused"
@@ -202,3 +223,66 @@ def test_restart_names_the_node_of_an_engine_whose_host_died(fake_ray):
     rollouts = _rollouts(calls, host_answer=lambda name: Ref(error=RayTaskError(name, "tb", AttributeError("x"))))
     rollouts.restart(1)
     assert calls == ["pid", "restart"]
+
+
+def test_a_rank_that_never_answers_ends_the_run_naming_it(fake_ray):
+    answers = iter([Ref({"loss/total": 0.5}), Ref(hung=True), Ref({"loss/total": 0.5})])
+    group = TrainerGroup([Handle(PolicyTrainer, [], lambda name: next(answers)) for _ in range(3)], LOGS, HANG_S)
+    with pytest.raises(RunFailure) as failure:
+        group.step(BATCH)
+    assert str(failure.value) == (f"trainer rank 1 hung in step: no answer 30 s after rank(s) 0, 2 answered "
+                                  f"(train.hang_timeout_s); see {LOGS}/trainer-1.log")
+
+
+def test_the_export_waits_for_rank_0_writing_the_model_alone(fake_ray, monkeypatch):
+    """Rank 0 writes the model after the others are done, longer than the hang timeout allows between ranks."""
+    clock = iter(range(0, 10_000, 100))  # each look at the clock: 100 s later
+    monkeypatch.setattr(time, "monotonic", lambda: float(next(clock)))
+    answers = iter([Ref("ckpt/hf", waits=5), Ref(None)])
+    group = TrainerGroup([Handle(PolicyTrainer, [], lambda name: next(answers)) for _ in range(2)], LOGS, HANG_S)
+    assert group.export_hf("ckpt/hf") == "ckpt/hf"
+
+
+def test_a_host_ray_cannot_reach_is_waited_for_a_bounded_time(fake_ray):
+    calls: list[str] = []
+    unavailable = ray.exceptions.ActorUnavailableError("unreachable", None)
+    hosts = [Handle(EngineHost, calls, lambda name: Ref(error=unavailable))]
+    rollouts = Rollouts(Handle(RolloutManager, calls, lambda name: Ref()), hosts, LOGS, unreachable_timeout=0.5)
+    with pytest.raises(RunFailure, match=r"rollout engine 0's host on node \? did not answer for 0.5 s "
+                                         r"\(rollout.unreachable_timeout_s\)"):
+        rollouts.restart(0)
+    assert "restart" not in calls and calls.count("pid") >= 1
+    hosts = [Handle(EngineHost, calls, lambda name: Ref(hung=True))]  # a host that never answers at all
+    rollouts = Rollouts(Handle(RolloutManager, calls, lambda name: Ref()), hosts, LOGS, unreachable_timeout=0.5)
+    with pytest.raises(RunFailure, match="did not answer for 0.5 s"):
+        rollouts.restart(0)
+
+
+def test_actors_close_together_within_one_bound(fake_ray):
+    """Every actor's stop is asked for at once and waited for together, `timeout` in all, also when some
+    never answer; then every actor is killed."""
+    killed = []
+    ray.kill = killed.append  # fake_ray's monkeypatch restores it
+    answers = iter([Ref(), Ref(hung=True), Ref(hung=True)])
+    group = TrainerGroup([Handle(PolicyTrainer, [], lambda name: next(answers)) for _ in range(3)], LOGS, HANG_S)
+    group.close()
+    assert fake_ray == [(3, 3, HANG_S)] and killed == group.actors
+
+
+def test_a_stop_whose_grace_passed_ends_the_wait_on_a_busy_rank(fake_ray):
+    """SIGTERM during a long step: once checkpoint.stop_grace_s has passed, the wait on a rank still in the
+    step ends (the run exits without that step) instead of lasting until the step ends."""
+    import signal
+
+    from qurl_mcore.loop.outcome import StopOverdue, StopRequest
+
+    stop = StopRequest(signals=(), grace_s=0.0)
+    answers = iter([Ref(hung=True), Ref(hung=True)])
+    group = TrainerGroup([Handle(PolicyTrainer, [], lambda name: next(answers)) for _ in range(2)], LOGS, HANG_S,
+                         stop)
+    stop._on_signal(signal.SIGTERM, None)
+    with pytest.raises(StopOverdue, match="SIGTERM 0 s ago and the step in progress has not ended"):
+        group.step(BATCH)
+    rollouts = Rollouts(Handle(RolloutManager, [], lambda name: Ref(hung=True)), [], LOGS, HANG_S, stop)
+    with pytest.raises(StopOverdue):
+        rollouts.generate(3)

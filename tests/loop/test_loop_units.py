@@ -2,6 +2,9 @@
 configuration of each rollout precision, and the config checks the loop relies on."""
 from __future__ import annotations
 
+import random
+import time
+
 import pytest
 import torch
 
@@ -9,7 +12,8 @@ from qurl_mcore.config import ConfigError, load_config
 from qurl_mcore.placement import placement_of
 from qurl_mcore.loop.batch import Sample
 from qurl_mcore.loop.driver import advantages
-from qurl_mcore.loop.sampler import EngineFailure, engine_config, engine_quantization, prompt_indices
+from qurl_mcore.loop.sampler import (EngineFailure, engine_config, engine_quantization, epoch_order,
+                                     prompt_indices)
 from qurl_mcore.preflight import preflight
 
 
@@ -20,6 +24,23 @@ def test_prompt_order_is_a_permutation_per_epoch_and_a_function_of_the_step():
     assert stream[:10] != stream[10:20]  # each epoch reshuffled
     assert prompt_indices(n, 3, per_step, seed=3) == stream[12:16]  # resuming at step 3 takes the same prompts
     assert prompt_indices(n, 0, per_step, seed=4) != prompt_indices(n, 0, per_step, seed=3)
+
+
+def test_prompt_order_makes_one_permutation_per_epoch_whatever_the_prompt_set_size():
+    """A step costs one permutation of the prompt set per epoch it touches, not one per prompt position: 256
+    prompts of 100k take one shuffle (256 took tens of seconds), and the prompts are those of the definition."""
+    epoch_order.cache_clear()
+    n, per_step = 100_000, 256
+    start = time.perf_counter()
+    first = [prompt_indices(n, step, per_step, seed=1) for step in range(3)]
+    assert epoch_order.cache_info().misses == 1
+    assert time.perf_counter() - start < 5.0
+    order = list(range(n))
+    random.Random("1-0").shuffle(order)  # the definition: epoch 0's permutation seeded by (seed, epoch)
+    assert [i for step in first for i in step] == order[:3 * per_step]
+    epoch_order.cache_clear()
+    prompt_indices(10, 2, 4, seed=1)  # positions 8..11 span epochs 0 and 1
+    assert epoch_order.cache_info().misses == 2
 
 
 def _samples(rewards: list[float]) -> list[Sample]:

@@ -307,6 +307,77 @@ def test_two_mini_batches_train_against_the_pre_update_policy():
     assert steps == {2}  # two optimizer steps
 
 
+def test_a_failing_export_is_the_trainers_error_not_an_engines(monkeypatch):
+    """An error inside the export (a missing tensor, out of memory in the smoothing fold) is raised while the
+    engine client consumes the stream; it ends the run as the trainer's, and no engine is blamed or restarted."""
+    import qurl_mcore.megatron.convert as convert
+    from qurl_mcore.loop.sampler import engine_config
+    from qurl_mcore.loop.trainer import WeightExportError
+
+    export = convert.export_hf_weights
+
+    def export_failing_after_one_bucket(*args, **kwargs):
+        stream = export(*args, **kwargs)
+        yield next(stream)
+        raise KeyError("model.layers.1.mlp.up_proj.weight")
+
+    monkeypatch.setattr(convert, "export_hf_weights", export_failing_after_one_bucket)
+    trainer = _trainer("rollout.push_bucket_mb=1")
+    try:
+        engine = _RecordingEngine(engine_config(trainer.cfg, trainer.recipe.engine, str(trainer.hf_dir), "cpu"))
+        trainer.engines, trainer.engine_ids = [engine], [0]
+        with pytest.raises(WeightExportError, match="exporting this rank's weights: KeyError: 'model.layers.1"):
+            trainer.push_weights("v1")
+    finally:
+        trainer.close()
+
+
+class _Answering:
+    def __init__(self, answers: bool):
+        self.answers = answers
+
+    def model_info(self):
+        if not self.answers:
+            raise ConnectionError("refused")
+        return {}
+
+
+def test_a_push_failure_naming_no_engine_blames_the_one_that_stopped_answering():
+    from qurl_mcore.loop.sampler import EngineFailure
+
+    trainer = object.__new__(PolicyTrainer)  # only the engines matter here
+    trainer.engines, trainer.engine_ids = [_Answering(True), _Answering(False), _Answering(True)], [0, 1, 2]
+    failure = trainer._engine_failure(RuntimeError("gloo: connection closed by peer"), [0, 1, 2])
+    assert isinstance(failure, EngineFailure) and failure.index == 1
+    trainer.engines[1].answers = True  # every engine answers: the sender's side broke
+    with pytest.raises(RuntimeError, match="weight push failed while every engine still answers"):
+        trainer._engine_failure(RuntimeError("gloo: connection closed by peer"), [0, 1, 2])
+
+
+def test_a_non_finite_weight_is_named_where_the_weights_are_read(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qurl_mcore.models import resolve_model_path
+
+    model = tmp_path / "nan-llama"
+    shutil.copytree(resolve_model_path("tiny-llama"), model)
+    (weights,) = model.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(n for n in tensors if n.endswith("mlp.up_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    from qurl_mcore.megatron.parallel import destroy_parallel
+
+    try:
+        with pytest.raises(ValueError, match=rf"{model}: weight decoder\.layers\.\d+\.mlp\.linear_fc1\.weight holds "
+                                             r"1 non-finite value\(s\) \(NaN or Inf\)"):
+            _trainer(f"model.path={model}")
+    finally:
+        destroy_parallel()  # the trainer that failed to start cannot close its own
+
+
 def test_a_micro_batch_reads_nothing_back_to_the_host():
     """The loss and metrics of every micro-batch stay on the device (what would be a GPU synchronization is a
     value read by the host: tests/host_syncs.py); the step reads the metrics back once."""

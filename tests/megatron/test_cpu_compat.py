@@ -53,6 +53,56 @@ def test_fixes_replace_the_cuda_assumptions():
     assert isinstance(torch.cuda.Stream, type)  # still a class: transformers annotates with it
 
 
+def test_revert_puts_back_everything_the_fixes_replaced():
+    import logging
+
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from qurl_mcore.megatron.cpu_compat import revert_cpu_compat
+
+    revert_cpu_compat()
+    watched = [(torch.cuda, n) for n in ("current_device", "current_stream", "stream", "synchronize", "manual_seed",
+                                         "get_rng_state")]
+    watched += [(schedules, "torch"), (clip_grads, "clip_grad_by_total_norm_fp32"), (mrandom, "_get_cuda_rng_state"),
+                (mrandom.CudaRNGStatesTracker, "add"), (moe_utils, "te_general_gemm"),
+                (MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream")]
+    before = [vars(owner).get(name, "absent") for owner, name in watched]
+    level = logging.getLogger(mrandom.__name__).level
+    try:
+        apply_cpu_compat()
+        assert schedules.torch is not torch and torch.cuda.synchronize is not before[3]
+    finally:
+        revert_cpu_compat()
+    assert [vars(owner).get(name, "absent") for owner, name in watched] == before
+    assert logging.getLogger(mrandom.__name__).level == level
+    assert apply_cpu_compat() == tuple(name for name, _ in FIXES)  # and they apply again
+
+
+def test_megatron_seeding_leaves_the_cpu_generator_alone():
+    """On a GPU, init_parallel seeds the CUDA generators; on the CPU, whose "CUDA" generator states the tracker
+    makes from the CPU one, the CPU generator's stream goes on as if nothing happened."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from qurl_mcore.megatron.parallel import destroy_parallel, init_parallel
+
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    init_parallel(seed=1234)
+    try:
+        assert torch.equal(torch.rand(4), expected)
+        with get_cuda_rng_tracker().fork():  # the tracked state is the CPU generator seeded by 1234 + 2718
+            tracked = torch.rand(4)
+    finally:
+        destroy_parallel()
+    assert torch.equal(tracked, torch.rand(4, generator=torch.Generator().manual_seed(1234 + 2718)))
+
+
+# after the tests that start and stop Megatron themselves: this module's fixture keeps it up to the end
 def test_rng_tracker_forks_the_cpu_generator(megatron_ws1):
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -64,3 +114,4 @@ def test_rng_tracker_forks_the_cpu_generator(megatron_ws1):
     after = torch.rand(3)
     assert not torch.equal(inside, outside)  # the tracked state, not the default one
     assert torch.equal(after, outside)  # and the default stream is restored after the fork
+

@@ -76,7 +76,7 @@ def test_spawn_reports_a_failing_rank():
 
 
 def test_rendezvous_and_gloo_listen_on_loopback_only():
-    """torch's TCPStore listens on every interface unless told otherwise (transfer.bind_stores_to_their_address):
+    """torch's TCPStore listens on every interface unless told otherwise (transfer.stores_bound_to_their_address):
     a local trainer group must open nothing a neighbour on the network could reach."""
     for addresses in spawn(workers.listening_addresses, 2):
         assert addresses and set(addresses) == {"127.0.0.1"}, addresses

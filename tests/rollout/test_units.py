@@ -91,6 +91,23 @@ def test_a_request_the_scheduler_aborts_names_that_prompt():
         parse_batch([good, aborted], [[1, 2], [1] * 5000], None)
 
 
+def test_a_nan_log_prob_is_named_as_such():
+    """SGLang's JSON carries a NaN log-prob as null: the prompt and token are named, not a TypeError of float()."""
+    import json
+
+    from qurl_mcore.rollout.results import NonFiniteLogprobs, parse_batch
+
+    good = {"text": "a", "meta_info": {"output_token_logprobs": [(-0.5, 7, None)], "finish_reason": None}}
+    nan = json.loads(json.dumps({"text": "b", "meta_info": {"output_token_logprobs": [[-0.1, 3, None], [None, 4, None]],
+                                                            "finish_reason": None}}))
+    with pytest.raises(NonFiniteLogprobs, match=r"prompt #1: the engine returned 1 non-finite log-prob\(s\) of 2 "
+                                                r"for the output tokens, the first at token 1 \(nan\)"):
+        parse_batch([good, nan], [[1], [2]], None)
+    prompt_zero = {"text": "c", "meta_info": {"output_token_logprobs": [(-0.5, 7, None)], "finish_reason": None,
+                                              "input_token_logprobs": [(None, 1, None), (float("-inf"), 2, None)]}}
+    assert parse_batch([prompt_zero], [[1, 2]], None)[0].prompt_logprobs == [float("-inf")]  # probability 0: kept
+
+
 def test_a_refused_request_is_no_engine_failure_to_restart():
     """The rollout manager passes a refusal through (the driver ends the run naming it) instead of an
     EngineFailure, which would restart the engine and retry the same prompt."""
