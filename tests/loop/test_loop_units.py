@@ -195,7 +195,9 @@ def test_shipped_configs_load_and_place(name, tmp_path):
 
     path = Path(__file__).parents[2] / "launch" / "configs" / f"{name}.yaml"
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"question": "1+1", "prompt": "1+1", "problem": "1+1", "answer": "2"}\n')
+    # every key a shipped config reads: the plain ones and verl's layout (DAPO-Math-17K's reward_model.ground_truth)
+    prompts.write_text('{"question": "1+1", "prompt": "1+1", "problem": "1+1", "answer": "2", '
+                       '"reward_model": {"ground_truth": "2", "style": "rule"}}\n')
     cfg = load_config(path, [] if name == "cpu_demo" else [f"data.path={prompts}"])
     gpu = name != "cpu_demo"
     p = placement_of(cfg, use_gpu=gpu, tags={"qurl_train", "qurl_rollout"})
