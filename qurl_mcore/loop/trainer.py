@@ -434,7 +434,7 @@ class PolicyTrainer:
     # -- activation smoothing (rollout.smoothing) ------------------------------------------------------------
     def _smoothing(self) -> dict[str, torch.Tensor]:
         """The frozen smoothing scales: restored from the checkpoint, or calibrated on the first call by rank 0
-        (`calibration_prompts` through the HF model in fp32 on this rank's device) and sent to every rank
+        (`calibration_prompts` through the HF model in fp32 on the host: `_calibrate`) and sent to every rank
         (collective: every rank pushes at the same time)."""
         if self.smoothing_scales is None:
             box = [self._calibrate() if self.rank == 0 else None]
@@ -444,10 +444,12 @@ class PolicyTrainer:
         return self.smoothing_scales
 
     def _calibrate(self) -> dict[str, torch.Tensor]:
+        """The scales of `qurl_mcore.smoothing.calibrate`, computed on the host: the whole HF model in fp32 would
+        not fit beside this rank's trainer on its GPU (4 bytes a parameter; host memory holds it once a run)."""
         # transformers only where the scales are calibrated (once a run, rank 0)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=torch.float32).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=torch.float32).eval()
         prompts = calibration_prompts(self.cfg, AutoTokenizer.from_pretrained(self.hf_dir))
         scales = calibrate(model, prompts, self.hf, self.recipe.engine.groups, self.cfg.rollout.smoothing)
         del model
