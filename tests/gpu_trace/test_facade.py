@@ -83,3 +83,21 @@ def test_the_facade_refuses_a_process_without_its_runtime():
     with pytest.raises(RuntimeError, match="run_traced"):
         with fake_cuda():
             pass
+
+
+def test_sglang_would_fuse_the_shared_expert_on_an_h100_and_a_quantized_engine_does_not():
+    """On CUDA with SM >= 80 and EP 1, SGLang fuses a shared expert into the routed experts' FusedMoE (E+1
+    experts, top-k+1). On a fake H100 a BF16 engine gets that fusion from SGLang's own decision, for GLM-4.5 and
+    DeepSeek-V3; a quantized engine keeps the shared expert as its own linears, as the trainer, the precision
+    table and the symmetry check hold it (GLM's gate never asks the quant config: the engine's server argument
+    turns it off)."""
+    from qurl_mcore.models.tiny import tiny_checkpoint
+
+    # DeepSeek's gate fuses only at DeepSeek-V3's own count of routed experts (it reads the config, builds nothing)
+    paths = {"glm4_moe": (str(tiny_checkpoint("glm4_moe")), {}),
+             "deepseek_v3": (str(tiny_checkpoint("deepseek_v3")), {"n_routed_experts": 256, "n_shared_experts": 1})}
+    out = run_traced(workers.shared_expert_fusion, "H100-80GB", paths)
+    for model in paths:
+        disabled, fused = out[model]["bf16"]
+        assert not disabled and fused >= 1, (model, out[model])
+        assert out[model]["qurl_fp4_rc"] == (True, 0), (model, out[model])

@@ -286,3 +286,36 @@ def uaq_per_head_on_device() -> tuple[str, str]:
     with fake_cuda():
         out = scale_per_head(torch.empty(10, 4, dtype=torch.bfloat16, device="cuda"), "kv_b", (3, 2), 2.0)
         return str(out.device), str(out.dtype)
+
+
+def shared_expert_fusion(gpu: str, checkpoints: dict[str, tuple[str, dict]]) -> dict[str, dict[str, tuple[bool, int]]]:
+    """SGLang's own shared-expert fusion decision (`resolve_shared_experts_config`, which the loader asks before
+    building a model) on a fake `gpu`, per model (its class; its tiny checkpoint and config overrides, the full
+    model's where the decision reads them) and engine: a BF16 engine and a `qurl_fp4_rc` one, each with the server
+    arguments `EngineConfig` gives it. (fusion disabled, experts fused)."""
+    with fake_cuda(gpu=gpu):
+        from sglang.srt.layers.moe.utils import resolve_shared_experts_config
+        from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
+        from sglang.srt.models.glm4_moe import Glm4MoeForCausalLM
+        from sglang.srt.runtime_context import create_context, use_context
+        from sglang.srt.server_args import ServerArgs
+        from transformers import AutoConfig
+
+        from qurl_mcore.rollout import EngineConfig
+        from qurl_mcore.sglang import register
+        from qurl_mcore.sglang.quant_config import CONFIGS
+
+        register()
+        classes = {"glm4_moe": Glm4MoeForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM}
+        out = {}
+        for model, (path, overrides) in checkpoints.items():
+            hf = AutoConfig.from_pretrained(path)
+            for key, value in overrides.items():
+                setattr(hf, key, value)
+            out[model] = {}
+            for name, method in (("bf16", None), ("qurl_fp4_rc", "qurl_fp4_rc")):
+                engine = EngineConfig(path, method, device="cpu") if method else EngineConfig(path, device="cpu")
+                with use_context(create_context(ServerArgs(**engine.engine_kwargs()), role="scheduler")):
+                    layout = resolve_shared_experts_config(classes[model], hf, CONFIGS[method]() if method else None)
+                out[model][name] = (layout.fusion_disabled, layout.num_fused_shared_experts)
+    return out
