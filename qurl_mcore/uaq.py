@@ -34,6 +34,7 @@ import torch
 
 from qurl_mcore.models.registry import hf_uaq_role, shape
 from qurl_mcore.quant import quantize
+from qurl_mcore.quant.qtensor import no_host_reads
 
 #: role -> k such that UAQ multiplies the tensor by s**k
 UAQ_EXPONENTS: dict[str, int] = {
@@ -92,13 +93,16 @@ def update_capture_ratio(
         before, after = {"": before}, {"": after}
     if before.keys() != after.keys():
         raise ValueError(f"the two weight sets differ in names: {sorted(set(before) ^ set(after))[:5]}")
-    changed = total = 0
+    changed, total = None, 0
     for name, b in before.items():
         a = after[name]
         if a.shape != b.shape:
             raise ValueError(f"{name}: shape {tuple(b.shape)} before, {tuple(a.shape)} after")
-        changed += int((_codes(a, fmt, granularity) != _codes(b, fmt, granularity)).sum())
+        # counted on the device and read once: a read per tensor is a GPU synchronization per tensor
+        with no_host_reads():
+            n = (_codes(a, fmt, granularity) != _codes(b, fmt, granularity)).sum()
+        changed = n if changed is None else changed + n
         total += b.numel()
     if total == 0:
         raise ValueError("no weight entries to compare")
-    return changed / total
+    return int(changed) / total

@@ -142,6 +142,20 @@ def test_update_capture_ratio_counts_code_changes():
         update_capture_ratio({"a": w}, {"b": w}, "int8")
 
 
+def test_update_capture_ratio_reads_the_host_once_whatever_the_tensor_count():
+    """The metric runs once a step over every weight: its count stays on the device and is read once (a read a
+    tensor is a GPU synchronization a tensor)."""
+    from tests.host_syncs import HostReads
+
+    before = {f"w{i}": torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(6)}
+    after = {k: v + 0.05 for k, v in before.items()}
+    with HostReads() as reads:
+        ratio = update_capture_ratio(before, after, "int8")
+    assert reads.count == 1, reads.ops
+    assert ratio == sum(int((update_capture_ratio(before[k], after[k], "int8") * v.numel()))
+                        for k, v in before.items()) / sum(v.numel() for v in before.values())
+
+
 def test_uaq_raises_the_update_capture_ratio_after_an_adam_step(megatron_ws1):
     path = tiny_checkpoint("qwen3_moe")
     model = build_gpt(path)
