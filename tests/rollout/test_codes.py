@@ -136,10 +136,11 @@ def test_code_pushes_serve_tp1_tensor_pushes_without_mla_attention():
     def mode(*over: str, mla: bool = False) -> str:
         return load_config(None, list(over)).push_mode(mla)
 
-    assert mode("precision=int8") == "codes"
+    assert mode("precision=int8") == "bf16"  # the default until code pushes serve every TP and layout
+    assert mode("precision=int8", "rollout.push=auto") == "codes"
     assert mode("precision=bf16", "rollout.push=codes") == "bf16"  # nothing to quantize
     assert mode("precision=int8", "rollout.push=bf16") == "bf16"
-    assert mode("precision=int8", "rollout.tp_size=2") == "bf16"
+    assert mode("precision=int8", "rollout.tp_size=2", "rollout.push=auto") == "bf16"
     with pytest.raises(ValueError, match="rollout.tp_size is 2: code pushes serve engines of TP 1"):
         mode("precision=int8", "rollout.tp_size=2", "rollout.push=codes")
     with pytest.raises(ValueError, match="layout is disaggregated"):
