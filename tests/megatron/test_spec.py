@@ -241,7 +241,7 @@ def test_fp8_experts_see_token_counts_padded_to_16_whatever_the_routing(megatron
     GEMMs take multiples of 16 rows. Megatron's SequentialMLP (the experts `gpt_spec` builds) pads each expert's
     tokens to that multiple when the config has `fp8` (which `build_gpt` sets for a TE recipe) and drops the
     padding's rows after: every expert linear sees a multiple of 16 rows, and the output is the unpadded one."""
-    model = build_gpt(tiny_checkpoint("qwen3_moe"))
+    model = build_gpt(tiny_checkpoint("qwen3_moe"), experts="sequential")  # the module TE recipes build
     experts = model.decoder.layers[0].mlp.experts
     rows: list[int] = []
     for expert in experts.local_experts:

@@ -32,7 +32,9 @@ def test_uaq_preserves_multi_head_latent_attention(s, megatron_ws1):
     plain = {n: t.clone() for b in export_hf_weights(model, path) for n, t in b}  # an export may share storage
     ids = random_ids(2, 16)
     before = _logits(model, ids)
-    weights = quantized_weights(model)
+    # every parameter, not only the quantized ones: kv_b_proj (linear_kv_up_proj) stays full precision, and UAQ
+    # rescales its k_nope rows all the same
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_uaq(model, s)
     after = _logits(model, ids)
     assert ((after - before).norm() / before.norm()).item() < 1e-5

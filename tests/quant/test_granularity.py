@@ -61,4 +61,4 @@ def test_format_facts_live_on_the_spec():
         q = quantize(torch.randn(32, 64), name, "block" if f.is_fp4 else "channel")
         assert q.scale.element_size() == f.scale_bytes
         assert (0 if q.global_scale is None else q.global_scale.element_size()) == f.tensor_scale_bytes
-    assert {n for n, f in FORMATS.items() if f.kernels} == {"int8", "fp8_e4m3"}
+    assert {n for n, f in FORMATS.items() if f.kernels} == {"int8", "fp8_e4m3", "nvfp4", "mxfp4"}
