@@ -30,8 +30,9 @@ class _KeepingEngine(_RecordingEngine):
 
 
 def _trainer(*overrides: str) -> PolicyTrainer:
+    # rollout.verify_push off: the in-process engine keeps what it is sent and serves no digests of installed codes
     cfg = load_config(None, ["model.path=tiny-llama", "precision=int8", "uaq.scale=1.5", "rollout.smoothing=0.5",
-                             "data.num_prompts=24", *overrides])
+                             "data.num_prompts=24", "rollout.verify_push=false", *overrides])
     return PolicyTrainer(cfg, cfg.recipe())
 
 
