@@ -59,14 +59,16 @@ def test_a_server_dies_with_the_process_that_started_it():
 def test_what_outlives_a_run_is_found_stopped_and_named():
     from qurl_mcore.parent_death import descendants, stop_survivors
 
+    # a test worker may hold processes of earlier tests: this test's are the ones that were not there before
+    before = set(descendants())
     quick = subprocess.Popen(["sleep", "0.2"])
     lingering = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])  # and a grandchild
     try:
         deadline = time.monotonic() + 10
-        while len(descendants()) < 3:
+        while len(set(descendants()) - before) < 3:
             assert time.monotonic() < deadline, descendants()
             time.sleep(0.05)
-        below = descendants()
+        below = [pid for pid in descendants() if pid not in before]
         assert {quick.pid, lingering.pid} <= set(below) and len(below) == 3
         killed = stop_survivors(below, grace_s=2.0)
         assert sorted(killed) == sorted(f"{pid} ({name})" for pid, name in
