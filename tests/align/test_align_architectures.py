@@ -55,7 +55,9 @@ def test_symmetric_fp4_rc_aligns_on_every_moe_architecture(measured, arch):
         assert rows["int8"]["pcc"] > 0.99 and 1e-4 < rows["int8"]["mean_abs_logprob_diff"] < 0.01
     rc = rows["fp4_rc"]  # the trainer runs the engine's quantized function
     assert rc["pcc"] > 0.995 and rc["topk_match_frac"] >= 0.95
-    if "fp4" in rows:  # codes flip: RC's second term takes most of naive FP4's gap away
+    # codes flip between the sides where naive FP4 is off by more than fp32 summation order (DeepSeek-V3's came
+    # from kv_b_proj, which stays full precision on both sides: its naive FP4 no longer flips)
+    if "fp4" in rows and rows["fp4"]["mean_abs_logprob_diff"] >= 1e-4:  # RC's second term takes most of the gap
         assert rc["mean_abs_logprob_diff"] < 0.5 * rows["fp4"]["mean_abs_logprob_diff"]
         assert rc["topk_match_frac"] > rows["fp4"]["topk_match_frac"]
     else:  # no code flips: RC is at BF16's level
