@@ -39,7 +39,8 @@ def assert_interpreted_passes(path: str) -> None:
     """`run_interpreted(path)` ran every test of `path` and all passed (none skipped: the interpreter was on)."""
     done = run_interpreted(path)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    assert done.returncode == 0 and "passed" in summary and "skipped" not in summary, done.stdout[-6000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "passed" in summary and "skipped" not in summary, \
+        done.stdout[-6000:] + done.stderr[-3000:]
 
 
 def _upcast_bf16(original):
