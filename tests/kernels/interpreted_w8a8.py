@@ -18,7 +18,8 @@ which changes a number the GPU path computes (6 up to the CUDA build's fast math
    changes no number: each row of a block is its own dot product (the contract: `test_alignment_...`).
 3. `scaled_fp8_quant` (FP8 activations, per token): a CUDA kernel (`per_token_quant_fp8.cuh`). Transcribed:
    s = amax / 448, q = e4m3(clamp(x · (1 / s), ±448)), fp32 and round-to-nearest as the kernel's precise
-   build; a zero token gets s = 0 (its output is zero either way).
+   build. A zero token: s = 0 and codes 0 (the kernel's one-token-a-block variant, which decode batches take,
+   writes codes 448 there: fminf(0·inf, 448)); times s = 0, its outputs are zero either way.
 4. `outplace_fused_experts`, `inplace_fused_experts`: custom ops registered for CUDA tensors; called as their
    own functions, as SGLang itself calls them for CUDA tensors outside a graph (`_call_directly_in_eager`).
 5. The CUDA branches of `fused_moe.py` (`_is_cuda`; `is_arch_support_pdl`: an H100 is SM90): the top-k sum
