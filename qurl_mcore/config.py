@@ -87,6 +87,9 @@ class TrainConfig:
     mini_batches: int = 1  # optimizer steps per rollout batch; π_prox from a pass before the first when > 1
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation (Megatron's)
     routing_replay: Literal["none", "r3"] = "none"  # MoE: r3 routes the trainer's forwards by the rollout's experts
+    # parameters kept as loaded (no gradient, no optimizer state): experts, the routed experts' weights (MoE only;
+    # MoEResQ's discriminator: does the model learn when only attention, routers and norms move?)
+    frozen: Literal["none", "experts"] = "none"
     tp_size: int = 1
     ep_size: int = 1
     dp_size: int = 1

@@ -382,6 +382,8 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
         out.problems.append(f"train.ep_size: {t.ep_size} needs an MoE model; this one is dense, use 1")
     elif experts and experts % t.ep_size:
         out.problems.append(f"train.ep_size: {t.ep_size} must divide the model's {experts} experts")
+    if t.frozen != "none" and not experts:
+        out.problems.append(f"train.frozen: {t.frozen} freezes the routed experts; this model is dense, use none")
     if t.routing_replay != "none" and not experts:
         out.problems.append(f"train.routing_replay: {t.routing_replay} replays MoE routing; this model is dense, "
                             "use none")

@@ -92,7 +92,7 @@ class PolicyTrainer:
         from qurl_mcore.megatron.gpt import load_hf_config
         # Megatron-Core stays out of the driver, which imports this module (actors.py)
         from qurl_mcore.megatron.parallel import current_device
-        from qurl_mcore.megatron.training import build_training
+        from qurl_mcore.megatron.training import build_training, freeze
 
         self.cfg = cfg
         t = cfg.train
@@ -131,6 +131,8 @@ class PolicyTrainer:
         self.taps = RoutingTaps(self.model)  # none in a dense model (or a pipeline stage without MoE layers)
         self.agreement: torch.Tensor | None = None  # routing agreement sums of this step (replay.py)
         self.measuring = False  # the current pass over the batch measures them (the first without replay)
+        if t.frozen != "none":
+            freeze(self.model, t.frozen)
         self.stack = build_training(self.model, lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.grad_clip,
                                     distributed_optimizer=cfg.distributed_optimizer(),
                                     overlap_grad_reduce=self.device.type == "cuda")

@@ -35,6 +35,21 @@ class TrainingStack:
         return list(self.model.parameters())
 
 
+def freeze(model: torch.nn.Module, group: str) -> list[str]:
+    """Keep the parameters of the architecture table's group `group` (`qurl_mcore.models.slots.GROUPS`, e.g.
+    "experts") as they are: without a gradient, Megatron's DDP gives them no buffer and the optimizer no state.
+    Call before `build_training`. Returns the names frozen (none on a pipeline stage without such layers)."""
+    from qurl_mcore.models.registry import megatron_slot
+
+    names = []
+    for name, param in model.named_parameters():
+        slot = megatron_slot(name)
+        if slot is not None and slot.group == group:
+            param.requires_grad_(False)
+            names.append(name)
+    return names
+
+
 def build_training(model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0, clip_grad: float = 1.0,
                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                    distributed_optimizer: bool = False, overlap_grad_reduce: bool = False) -> TrainingStack:

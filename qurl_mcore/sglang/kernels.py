@@ -4,8 +4,9 @@ Weights are quantized exactly as the trainer does (per-channel INT8 / FP8 E4M3, 
 activations are quantized per token by SGLang's fused kernels and the GEMMs run in SGLang's INT8 / FP8
 kernels (dense: `int8_scaled_mm`, `apply_fp8_linear`; MoE: the Triton fused-MoE runner with per-channel
 scales). Y = s_x[m] · s_w[n] · Σ_k q_x[m, k] · q_w[n, k] is the same product as the CPU path; only the
-activation rounding kernel differs (SGLang rounds half away from zero, torch half to even), a difference of
-at most one code on exact ties. Everything else (FP4, other devices) runs `qurl_mcore.quant` itself, and so
+activation quantizers differ, and on bf16 activations only at exact ties, by one code (SGLang's INT8 kernel
+multiplies by 127 / amax and rounds halves away from zero, its FP8 kernel multiplies by 1 / s; `quantize`
+divides and rounds halves to even: tests/kernels/test_sglang_w8a8_moe.py, docs/rollout.md). Everything else (FP4, other devices) runs `qurl_mcore.quant` itself, and so
 does a dense INT8 linear on a GPU that `int8_scaled_mm` has no kernel for (SM100, B200): there
 `quantized_linear` multiplies the same codes with `torch._int_mm` (cuBLASLt) and applies the two scales.
 """

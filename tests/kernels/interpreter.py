@@ -8,7 +8,10 @@ kernel and no GPU code):
   operands upcast to fp32 first (exact: bf16 ⊂ fp32), as a GPU's MMA multiplies bf16 exactly into fp32.
 - fp32 -> bf16 casts (`.to(tl.bfloat16)`, a store into a bf16 tensor) drop the low 16 bits (round toward
   zero). Corrected: rounded to nearest even, as a GPU's cast (`cvt.rn.bf16.f32`, Triton's default) and
-  torch round."""
+  torch round.
+Triton's interpreter also runs no libdevice function (`tl.extra.cuda.libdevice.*` needs a compiler's
+`_semantic`, and its builder raises on every extern call). `libdevice_round()` maps the one SGLang's INT8
+activation quantizer calls, `__nv_roundf`, by libdevice's own definition (`round_half_away`)."""
 from __future__ import annotations
 
 import contextlib
@@ -30,6 +33,14 @@ def run_interpreted(path: str, timeout: float = 600.0) -> subprocess.CompletedPr
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                            "-rs", path], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_interpreted_passes(path: str) -> None:
+    """`run_interpreted(path)` ran every test of `path` and all passed (none skipped: the interpreter was on)."""
+    done = run_interpreted(path)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0 and "passed" in summary and "skipped" not in summary, \
+        done.stdout[-6000:] + done.stderr[-3000:]
 
 
 def _upcast_bf16(original):
@@ -84,6 +95,48 @@ def corrected_bf16() -> Iterator[None]:
     finally:
         for name, original in originals.items():
             setattr(InterpreterBuilder, name, original)
+
+
+def round_half_away(x: np.ndarray) -> np.ndarray:
+    """libdevice's `__nv_roundf` on fp32 `x`: trunc(x + copysign(0.5, x)), the sum rounded toward zero
+    (libdevice.10.bc: `add.rz` then `trunc`), i.e. to the nearest integer with halves away from zero, on every
+    input (0.49999997 -> 0: the sum rounded toward zero stays below 1; |x| >= 2^23 stays x; -0.3 -> -0.0). The
+    sum formed in fp64 is exact (24 significant bits plus a half), so its truncation is the rounded-toward-zero
+    sum's."""
+    x = np.asarray(x, dtype=np.float32)
+    return np.trunc(x.astype(np.float64) + np.copysign(0.5, x)).astype(np.float32)
+
+
+#: the libdevice symbols `libdevice_round()` maps: fp32 -> fp32, by their libdevice definition
+_LIBDEVICE = {"__nv_roundf": round_half_away}
+
+
+@contextlib.contextmanager
+def libdevice_round() -> Iterator[None]:
+    """`tl.extra.cuda.libdevice.round` runnable under the interpreter for the duration: the call gets the
+    interpreter's semantic, and the builder's extern call computes `__nv_roundf` (`round_half_away`); any other
+    extern symbol still raises as Triton ships it."""
+    from triton import language as tl
+    from triton.language.extra.cuda import libdevice
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle, interpreter_semantic
+
+    original_round, original_extern = libdevice.round, InterpreterBuilder.create_extern_elementwise
+
+    @functools.wraps(original_round)
+    def round_(arg0, _semantic=None):
+        return original_round(arg0, _semantic=interpreter_semantic)
+
+    @functools.wraps(original_extern)
+    def create_extern_elementwise(self, lib_name, lib_path, symbol, args, ret_type, is_pure):
+        if symbol not in _LIBDEVICE:
+            return original_extern(self, lib_name, lib_path, symbol, args, ret_type, is_pure)
+        return TensorHandle(_LIBDEVICE[symbol](args[0].data), tl.float32)
+
+    libdevice.round, InterpreterBuilder.create_extern_elementwise = round_, create_extern_elementwise
+    try:
+        yield
+    finally:
+        libdevice.round, InterpreterBuilder.create_extern_elementwise = original_round, original_extern
 
 
 @contextlib.contextmanager
