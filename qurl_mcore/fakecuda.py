@@ -14,7 +14,7 @@ A CPU build of torch has no CUDA device guard and no CUDA hooks, which indexing,
 and autograd's streams ask for. `runtime_library()` compiles a small shim (c10's own `FakeGuardImpl` for CUDA,
 and CUDA hooks that report CUDA as built, up to 8 devices, never initialising anything); it must load before
 torch does, so traces run in a fresh process with it preloaded (`run_traced`), which also keeps the façade
-away from processes where megatron/cpu_compat.py replaced `torch.cuda` functions.
+away from processes where megatron/cpu_compat.py gave megatron's modules a `torch` of the CPU.
 
 What it catches, as a GPU would:
 - a CPU tensor meeting a CUDA one in an operation (`FakeTensorDeviceMismatchError`; 0-dim CPU scalars are

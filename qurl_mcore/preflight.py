@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -30,7 +31,8 @@ from .models.registry import hf_linears, num_experts, shape
 from .precision import METHODS, PRECISIONS, SCOPES, get_precision, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
 from .runlock import in_use
-from .sizing import GPUS, check_fits, local_gpu, model_config, parameter_count
+from .sizing import GPUS, batch_bytes, check_fits, local_gpu, model_config, parameter_count, trainer_bytes
+from .sizing.gpus import GiB
 from .smoothing import fold_table, refusal
 from .stack import Stack, experts, fusions
 from .tasks import (REWARDS, Example, addition_examples, chat_ids, load_reward, prompt_file_problem,
@@ -136,8 +138,7 @@ def _lock_rules(cfg: Config, out: Preflight) -> None:
 
 def _cpu_step(cfg: Config, hf: dict[str, Any], out: Preflight) -> None:
     """On CPUs, a step's time scaled from the CPU demo's by parameters x sampled tokens (the work of rollout and
-    training both grows with it); a step of hours is warned of. The trainer's memory does not grow with the
-    batch (micro-batches of train.micro_batch_size)."""
+    training both grows with it); a step of hours is warned of."""
     r = cfg.rollout
     samples = cfg.data.prompts_per_step * r.samples_per_prompt
     work = parameter_count(shape(hf)) * samples * r.max_new_tokens
@@ -150,6 +151,43 @@ def _cpu_step(cfg: Config, hf: dict[str, Any], out: Preflight) -> None:
     if seconds > 3600:
         out.summary.append(f"  warning     a step of {samples} samples takes hours on CPUs: lower "
                            "data.prompts_per_step or rollout.samples_per_prompt, or run on GPUs")
+
+
+def _cpu_memory(cfg: Config, hf: dict[str, Any], out: Preflight, local: bool, longest: int | None) -> None:
+    """On CPUs, a trainer rank's bytes as `qurl plan` counts them at fp32 (`sizing.trainer_bytes`: states, one
+    micro-batch's activations) plus the step's batch it holds (`sizing.batch_bytes`), for sequences of the
+    longest prompt (`longest` tokens, None: unknown) and rollout.max_new_tokens, padded as a step pads them, at
+    most rollout.context_length. For a run on this machine, every rank's together are compared with its memory,
+    and more is warned of. The engines' are not counted."""
+    r = cfg.rollout
+    seq = r.context_length if longest is None else min(r.context_length, longest + r.max_new_tokens)
+    padded = dataclasses.replace(cfg, rollout=dataclasses.replace(r, context_length=seq))
+    s = shape(hf)
+    plan = trainer_bytes(s, padded, cuda=False)
+    batch = batch_bytes(s, padded)
+    rank = plan["peak"] + batch
+    world = cfg.train.world_size
+    out.summary.append(f"  cpu memory  ~{rank / GiB:.2f} GiB a trainer rank at {seq} tokens a sequence: states "
+                       f"{plan['static'] / GiB:.2f} GiB, a micro-batch's activations "
+                       f"{(plan['peak'] - plan['static']) / GiB:.2f} GiB, the step's batch {batch / GiB:.2f} GiB "
+                       "(engines not counted)")
+    here = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if local and world * rank > here:
+        out.summary.append(f"  warning     {world} trainer rank(s) need ~{world * rank / GiB:.0f} GiB, more than this "
+                           f"machine's {here / GiB:.0f} GiB: lower train.micro_batch_size or rollout.context_length "
+                           "(activations), data.prompts_per_step or rollout.samples_per_prompt (the batch)")
+
+
+def _longest_addition_prompt(cfg: Config, model_path: str | None) -> int | None:
+    """The longest prompt of the addition task in tokens by the model's chat template (None without the model)."""
+    if model_path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    d = cfg.data
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    examples = addition_examples(d.num_prompts, seed=cfg.seed, min_operand=d.min_operand, max_operand=d.max_operand)
+    return max(len(chat_ids(tokenizer, ex, d.system_prompt)) for ex in examples)
 
 
 def _logging_rules(cfg: Config, out: Preflight) -> None:
@@ -195,14 +233,14 @@ def _eval_rules(cfg: Config, out: Preflight) -> None:
                        + ("rollout engines and a BF16 engine" if e.bf16_reference else "rollout engines"))
 
 
-def _prompt_rows(cfg: Config, out: Preflight, model_path: str | None) -> None:
+def _prompt_rows(cfg: Config, out: Preflight, model_path: str | None) -> int | None:
     """Every row of data.path, streamed as the run reads it (valid JSON, a non-empty prompt and answer) and,
     with the model here, each prompt's length in tokens by the model's chat template, which must leave
     rollout.max_new_tokens of rollout.context_length for the answer. The first few bad rows are named, all
-    are counted."""
+    are counted. Returns the longest prompt's tokens (None where not measured)."""
     d, r = cfg.data, cfg.rollout
     if d.task != "file" or not d.path or prompt_file_problem(d.path):
-        return  # the field rules named the path
+        return None  # the field rules named the path
     budget = r.context_length - r.max_new_tokens  # the field rules refuse a budget of 0 or less
     tokenizer = None
     if model_path is not None and budget > 0:
@@ -226,7 +264,7 @@ def _prompt_rows(cfg: Config, out: Preflight, model_path: str | None) -> None:
                                f"{r.context_length} leaves after rollout.max_new_tokens {r.max_new_tokens}")
     except (ValueError, OSError) as err:
         out.problems.append(f"data.path: {err}")
-        return
+        return None
     out.problems += [f"data.path: {problem}" for problem in bad[:BAD_ROWS_NAMED]]
     if len(bad) > 1:
         out.problems.append(f"data.path: {len(bad)} bad rows of {rows} (the first {min(len(bad), BAD_ROWS_NAMED)} "
@@ -237,6 +275,7 @@ def _prompt_rows(cfg: Config, out: Preflight, model_path: str | None) -> None:
         out.summary.append(f"  data        {rows} prompts, the longest {longest} tokens (room: {budget})")
     if first:
         _reward_probe(cfg, first, out)
+    return longest if tokenizer is not None and rows else None
 
 
 def _reward_probe(cfg: Config, examples: list[Example], out: Preflight) -> None:
@@ -482,7 +521,12 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
         method = f"{precision.rollout} (mode {METHODS[precision.rollout].mode})" if precision.rollout else "bf16"
         out.summary.append(f"  engines     SGLang {method}, dtype {r.dtype}: quantize {_linears_line(hf, roll)}")
     _smoothing_rules(cfg, None if model is None else model[1], out)
-    _prompt_rows(cfg, out, model[0] if model is not None and Path(model[0]).is_dir() else None)
+    model_dir = model[0] if model is not None and Path(model[0]).is_dir() else None
+    longest = _prompt_rows(cfg, out, model_dir)
+    if model is not None and not use_gpu:
+        if cfg.data.task == "addition":
+            longest = _longest_addition_prompt(cfg, model_dir)
+        _cpu_memory(cfg, model[1], out, local, longest)
     _placement(cfg, use_gpu, out, local)
     t = cfg.train
     dtype = str(cfg.train_dtype(use_gpu)).removeprefix("torch.")

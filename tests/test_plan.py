@@ -19,6 +19,7 @@ from qurl_mcore.models.slots import LINEAR_GROUPS
 from qurl_mcore.quant.formats import FORMATS
 from qurl_mcore.sizing import (
     activation_bytes,
+    batch_bytes,
     check_fits,
     hf_tensors,
     layer_activation_bytes,
@@ -168,6 +169,18 @@ def test_trainer_states_by_hand():
     assert (t["params"], t["gradients"]) == (2 * n, 4 * n)
     assert (t["main_params"]["distributed"], t["optimizer"]["distributed"]) == (4 * n // 2, 8 * n // 2)
     assert t["static"] == 2 * n + 4 * n + 12 * n // 2
+
+
+def test_a_steps_batch_by_hand():
+    """Every rank holds the whole batch at 14 bytes a token (ids 8, two masks, behaviour log-probs 4), with
+    routing replay the engine's expert ids (2 bytes each, L·k a token), and its own rows' π_prox and π_ref."""
+    big = ["data.prompts_per_step=2048", "rollout.samples_per_prompt=64", "rollout.context_length=1024"]
+    dense = shape(card("Qwen3-8B"))
+    assert batch_bytes(dense, load_config(None, big)) == 131072 * 1024 * 14
+    both = load_config(None, [*big, "train.dp_size=2", "train.mini_batches=2", "train.kl_coef=0.1"])
+    assert batch_bytes(dense, both) == 131072 * 1024 * 14 + 65536 * 1024 * (4 + 4)
+    moe = shape(card("Qwen3-30B-A3B"))
+    assert batch_bytes(moe, load_config(None, [*big, "train.routing_replay=r3"])) == 131072 * 1024 * (14 + 2 * 48 * 8)
 
 
 def test_activations_by_hand():

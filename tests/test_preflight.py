@@ -222,6 +222,32 @@ def test_a_cpu_step_is_estimated_and_a_huge_one_warned_of(tmp_path):
     assert "cpu step" not in _problems(tmp_path, *demo, use_gpu=True)  # GPUs: the memory plan instead
 
 
+def test_a_cpu_steps_memory_is_estimated_at_its_padded_length_and_more_than_the_machine_warned_of(tmp_path):
+    """On CPUs the check gives a trainer rank's bytes (the plan's at fp32, with the step's batch) for sequences of
+    the longest prompt and rollout.max_new_tokens, as a step pads them; a run on this machine that needs more
+    than it has is warned of, with the levers."""
+    from transformers import AutoTokenizer
+
+    from qurl_mcore.models import resolve_model_path
+    from qurl_mcore.tasks import addition_examples, chat_ids
+
+    demo = ["data.prompts_per_step=8", "rollout.samples_per_prompt=6", "rollout.max_new_tokens=6"]
+    cfg = load_config(None, [*TINY, *demo])
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-llama"))
+    longest = max(len(chat_ids(tokenizer, ex)) for ex in addition_examples(cfg.data.num_prompts, seed=cfg.seed,
+                                                                            min_operand=cfg.data.min_operand,
+                                                                            max_operand=cfg.data.max_operand))
+    text = _problems(tmp_path, *demo, use_gpu=False, local=True)
+    assert "cpu memory  ~" in text and f"a trainer rank at {longest + 6} tokens a sequence" in text
+    assert "trainer rank(s) need" not in text
+    huge = [*demo, "rollout.max_new_tokens=30000", "rollout.context_length=32768", "train.micro_batch_size=64"]
+    text = _problems(tmp_path, *huge, use_gpu=False, local=True)
+    assert f"a trainer rank at {longest + 30000} tokens a sequence" in text
+    assert "warning     1 trainer rank(s) need ~" in text and "lower train.micro_batch_size" in text
+    assert "trainer rank(s) need" not in _problems(tmp_path, *huge, use_gpu=False)  # another machine's memory
+    assert "cpu memory" not in _problems(tmp_path, *demo, use_gpu=True)  # GPUs: the memory plan instead
+
+
 def test_placements_that_cannot_fit(tmp_path):
     cpus = os.cpu_count()
     text = _problems(tmp_path, f"train.dp_size={cpus + 1}", local=True)

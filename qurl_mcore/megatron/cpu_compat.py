@@ -8,6 +8,11 @@ megatron-core rather than CPU adaptations (`GPU_FIXES`: te_general_gemm, which a
 Engine needs on any device). `revert_cpu_compat()` puts back every attribute they replaced
 (`parallel.destroy_parallel` calls it: the fixes live as long as Megatron's process groups).
 
+The fixes are scoped to megatron: they replace attributes of megatron's own modules and classes, never of torch.
+Where megatron calls `torch.cuda` (current_device, streams, synchronize, the generator), its modules read a
+`torch` of their own (`_TorchOnCpu`); `torch` and `torch.cuda` themselves stay torch's for every other caller in
+the process (SGLang, user code).
+
 With them Megatron's own training stack runs on the CPU: `DistributedDataParallel`, `finalize_model_grads`,
 the schedules' `get_forward_backward_func` and `get_megatron_optimizer` (fp32). Not on the CPU: the
 distributed optimizer and Megatron's mixed-precision (bf16) optimizer, which check for CUDA tensor types
@@ -18,7 +23,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import logging
+import sys
+import types
 from typing import Callable
 
 import torch
@@ -37,24 +46,14 @@ def _replace(owner: object, name: str, value: object) -> None:
     setattr(owner, name, value)
 
 
-def _current_device() -> None:
-    """torch.cuda.current_device() -> cpu. Megatron passes `device=torch.cuda.current_device()` in ~40
-    places (rotary embedding, router, experts, TP mappings, buffers); CPU torch raises there."""
-    _replace(torch.cuda, "current_device", lambda: torch.device("cpu"))
-
-
 @contextlib.contextmanager
-def _cpu_generator_as_cuda(seed: int):
-    """For the duration: torch.cuda's generator calls mean the CPU generator, seeded by `seed`; then the CPU
-    generator is as it was."""
+def _cpu_generator_seeded(seed: int):
+    """For the duration, the CPU generator seeded by `seed`; then it is as it was."""
     before = torch.get_rng_state()
     torch.manual_seed(seed)
-    saved = torch.cuda.get_rng_state, torch.cuda.manual_seed
-    torch.cuda.get_rng_state, torch.cuda.manual_seed = lambda device="cuda": torch.get_rng_state(), lambda s: None
     try:
         yield
     finally:
-        torch.cuda.get_rng_state, torch.cuda.manual_seed = saved
         torch.set_rng_state(before)
 
 
@@ -62,7 +61,8 @@ def _rng_tracker() -> None:
     """The "CUDA" RNG of megatron's RNG tracker is the CPU generator. The tracker is needed even without
     dropout (DotProductAttention always forks it), and it seeds and saves CUDA generator states: a tracked
     state is the CPU generator seeded by the state's seed, made without moving the CPU generator itself
-    (`model_parallel_cuda_manual_seed`'s seeding of the default CUDA generator stays CPU torch's lazy no-op)."""
+    (the "CUDA" generator a megatron module sees is the CPU one, which its `torch.cuda.manual_seed` leaves alone,
+    as CPU torch's own lazy no-op would: `model_parallel_cuda_manual_seed` does not move the CPU generator)."""
     # the module a fix patches, imported only when the fix applies (a GPU applies GPU_FIXES alone)
     import megatron.core.tensor_parallel.random as mrandom
 
@@ -74,7 +74,7 @@ def _rng_tracker() -> None:
 
     @functools.wraps(add)
     def add_on_cpu(self, name, seed):
-        with _cpu_generator_as_cuda(seed):
+        with _cpu_generator_seeded(seed):
             add(self, name, seed)
 
     _replace(mrandom.CudaRNGStatesTracker, "add", add_on_cpu)
@@ -125,19 +125,17 @@ class _NoopStream:
     def synchronize(self) -> None: ...
 
 
-def _streams() -> None:
-    """No-op CUDA streams for the alltoall token dispatcher, which copies split sizes to the host on a side
-    stream and synchronizes on its events, and a no-op torch.cuda.synchronize for the pipeline's p2p
-    communication; on CPU there is nothing to overlap or wait for. The dispatcher's shared side
-    stream is preset (torch.cuda.Stream itself stays a class: other libraries use it in annotations)."""
+#: the one side stream of megatron's `torch.cuda` on the CPU: waiting on it or for it returns at once
+_NOOP_STREAM = _NoopStream()
+
+
+def _dispatcher_stream() -> None:
+    """The alltoall token dispatcher's shared side stream, made on first use with `torch.cuda.Stream()` (which
+    CPU torch cannot make), preset to the no-op stream megatron's `torch.cuda` gives (`_CudaOnCpu`)."""
     # the module a fix patches, imported only when the fix applies
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    stream = _NoopStream()
-    _replace(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", stream)
-    _replace(torch.cuda, "current_stream", lambda *args, **kwargs: stream)
-    _replace(torch.cuda, "stream", lambda *args, **kwargs: contextlib.nullcontext())
-    _replace(torch.cuda, "synchronize", lambda *args, **kwargs: None)  # pipeline p2p waits for its sends this way
+    _replace(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _NOOP_STREAM)
 
 
 def _split_sizes_as_numpy() -> None:
@@ -180,42 +178,96 @@ def _causal_masks() -> None:
         _replace(module, "get_sliding_window_causal_mask", get_sliding_window_causal_mask)
 
 
+class _CudaOnCpu:
+    """The `torch.cuda` a megatron module sees without CUDA: the real one, except for what megatron calls on
+    the CPU path, each given its CPU meaning. current_device() is the CPU (megatron passes
+    `device=torch.cuda.current_device()` in ~40 places); streams and synchronize do nothing (the alltoall
+    dispatcher copies split sizes on a side stream and waits for its events, pipeline p2p synchronizes after
+    its sends: on the CPU there is nothing to overlap or wait for); the generator is the CPU one, and seeding it
+    leaves it alone, as CPU torch's lazy `torch.cuda.manual_seed` does."""
+
+    def __init__(self, real):
+        self._real = real
+        self.current_device = lambda: torch.device("cpu")
+        self.current_stream = lambda *args, **kwargs: _NOOP_STREAM
+        self.stream = lambda *args, **kwargs: contextlib.nullcontext()
+        self.synchronize = lambda *args, **kwargs: None
+        self.get_rng_state = lambda device="cuda": torch.get_rng_state()
+        self.manual_seed = lambda seed: None
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
 class _TorchOnCpu:
-    """The `torch` a megatron module sees: the real one, except that its factory functions put what they
-    allocate with device="cuda" (or cuda:N) on the CPU."""
+    """The `torch` a megatron module sees without CUDA: the real one, except that its factory functions put what
+    they allocate with device="cuda" (or cuda:N) on the CPU (schedules' token counts, grad norm and clipping, the
+    fp32 optimizer and the DDP buffers allocate so in about a dozen places), and its `cuda` is `_CudaOnCpu`."""
 
     _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "zeros_like", "ones_like", "empty_like", "full_like",
                   "arange")
 
     def __init__(self, real):
         self._real = real
+        self.cuda = _CudaOnCpu(real.cuda)
+        for name in self._FACTORIES:
+            setattr(self, name, self._on_cpu(getattr(real, name)))
 
-    def __getattr__(self, name: str):
-        value = getattr(self._real, name)
-        if name not in self._FACTORIES:
-            return value
-
+    @staticmethod
+    def _on_cpu(factory):
+        @functools.wraps(factory)
         def on_cpu(*args, **kwargs):
             if str(kwargs.get("device", "")).startswith("cuda"):
                 kwargs["device"] = "cpu"
-            return value(*args, **kwargs)
+            return factory(*args, **kwargs)
 
         return on_cpu
 
-
-#: the megatron modules of the training stack that allocate with a literal device="cuda"
-_CUDA_ALLOCATING = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer.clip_grads",
-                    "megatron.core.optimizer.optimizer", "megatron.core.distributed.param_and_grad_buffer",
-                    "megatron.core.transformer.moe.moe_utils", "megatron.core.utils")
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
 
 
-def _cuda_devices() -> None:
-    """Megatron's schedules (token counts), grad norm and clipping, the fp32 optimizer and the DDP buffers
-    allocate with a literal device="cuda" in about a dozen places; on a machine without CUDA that device is
-    the CPU. Each of those modules reads a `torch` whose factory functions say so (`_TorchOnCpu`); the model's
-    own operations are untouched (no per-operation cost)."""
-    for name in _CUDA_ALLOCATING:
-        _replace(importlib.import_module(name), "torch", _TorchOnCpu(torch))
+def _sees_torch_on_cpu(module: types.ModuleType, torch_on_cpu: _TorchOnCpu) -> None:
+    if module.__name__.startswith("megatron.") and vars(module).get("torch") is torch:
+        _replace(module, "torch", torch_on_cpu)
+
+
+class _MegatronImports(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Gives each megatron module imported while the fixes are applied the same `torch` as those imported
+    before: megatron imports some of its modules only when first needed (a checkpoint format, a dispatcher).
+    Its loader runs the module's own loader and then leaves nothing of itself on the module."""
+
+    def __init__(self, torch_on_cpu: _TorchOnCpu):
+        self._torch_on_cpu = torch_on_cpu
+        self._loaders: dict[str, importlib.abc.Loader] = {}
+
+    def find_spec(self, name, path, target=None):
+        if not name.startswith("megatron."):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and isinstance(spec.loader, importlib.abc.Loader):
+            self._loaders[name], spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self._loaders[spec.name].create_module(spec)
+
+    def exec_module(self, module):
+        loader = module.__spec__.loader = module.__loader__ = self._loaders.pop(module.__name__)
+        loader.exec_module(module)
+        _sees_torch_on_cpu(module, self._torch_on_cpu)
+
+
+def _torch_on_cpu() -> None:
+    """Every megatron module, imported now or later, reads `_TorchOnCpu` as its `torch`; torch itself is
+    untouched. Attribute reads it passes through cost one Python call each (well under 1% of a CPU step)."""
+    torch_on_cpu = _TorchOnCpu(torch)
+    for module in list(sys.modules.values()):
+        if isinstance(module, types.ModuleType):
+            _sees_torch_on_cpu(module, torch_on_cpu)
+    finder = _MegatronImports(torch_on_cpu)
+    sys.meta_path.insert(0, finder)
+    _UNDO.append(functools.partial(sys.meta_path.remove, finder))
 
 
 def _clip_grads() -> None:
@@ -239,14 +291,13 @@ def _clip_grads() -> None:
 
 #: (name, fix) in the order they are applied; docs/megatron.md describes each.
 FIXES = (
-    ("current_device", _current_device),
+    ("torch_on_cpu", _torch_on_cpu),
     ("rng_tracker", _rng_tracker),
     ("te_general_gemm", _te_general_gemm),
     ("mla_without_te", _mla_without_te),
-    ("streams", _streams),
+    ("dispatcher_stream", _dispatcher_stream),
     ("split_sizes_as_numpy", _split_sizes_as_numpy),
     ("causal_masks", _causal_masks),
-    ("cuda_devices", _cuda_devices),
     ("clip_grads", _clip_grads),
 )
 #: the fixes that are megatron-core bugs on any device, applied on GPUs too

@@ -11,14 +11,15 @@ published ones.
   report    the plan as the lines `qurl plan` prints
 """
 from .gpus import GPUS, local_gpu
-from .memory import activation_bytes, engine_bytes, layer_activation_bytes, sglang_reserve, trainer_bytes
+from .memory import (activation_bytes, batch_bytes, engine_bytes, layer_activation_bytes, sglang_reserve,
+                     trainer_bytes)
 from .report import format_plan
 from .speed import push_bytes
 from .tensors import hf_tensors, model_config, parameter_count
 from .verdict import check_fits, size_run
 
 __all__ = [
-    "GPUS", "activation_bytes", "check_fits", "engine_bytes", "format_plan", "hf_tensors",
+    "GPUS", "activation_bytes", "batch_bytes", "check_fits", "engine_bytes", "format_plan", "hf_tensors",
     "layer_activation_bytes", "local_gpu", "model_config", "parameter_count", "push_bytes", "sglang_reserve",
     "size_run", "trainer_bytes",
 ]

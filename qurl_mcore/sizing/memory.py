@@ -243,6 +243,20 @@ def trainer_bytes(s: Shape, cfg: Config, cuda: bool = True) -> dict[str, Any]:
             "recompute": t.recompute, "microbatches_per_step": _microbatches(cfg)}
 
 
+def batch_bytes(s: Shape, cfg: Config) -> int:
+    """Host bytes of one step's batch on a trainer rank, N = data.prompts_per_step·rollout.samples_per_prompt
+    samples padded to at most s = rollout.context_length tokens: every rank holds the whole batch, 14 bytes a
+    token (token ids 8, the attention and response masks 1 each, behaviour log-probs 4) [+ 2·L·k with routing
+    replay: the engine's expert ids, int16], and its own N/DP rows' π_prox (train.mini_batches > 1) and π_ref
+    (train.kl_coef > 0) log-probs, 4 bytes a token each."""
+    t = cfg.train
+    rows = cfg.data.prompts_per_step * cfg.rollout.samples_per_prompt
+    tokens = rows * cfg.rollout.context_length
+    per_token = 14 + (2 * s.layers * s.topk if s.experts and t.routing_replay == "r3" else 0)
+    own = 4 * ((t.mini_batches > 1) + (t.kl_coef > 0))
+    return tokens * per_token + math.ceil(rows / t.dp_size) * cfg.rollout.context_length * own
+
+
 # ---- engines ----------------------------------------------------------------------------------------------
 
 _PREFILL_GRAPH_SIZES = (*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),

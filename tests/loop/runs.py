@@ -26,12 +26,13 @@ def command(run_dir: Path, *overrides: str) -> list[str]:
             f"logging.dir={run_dir}/logs", *TINY, *overrides]
 
 
-def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """The run started, its output appended to `run_dir/out.log`; never sent to a Ray cluster of the caller's."""
+def start(run_dir: Path, *overrides: str, own_group: bool = False) -> subprocess.Popen:
+    """The run started, its output appended to `run_dir/out.log`; never sent to a Ray cluster of the caller's.
+    `own_group`: the run leads a process group of its own, as a scheduler's job step does (`os.killpg`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return subprocess.Popen(command(run_dir, *overrides), stdout=open(run_dir / "out.log", "ab"),
-                            stderr=subprocess.STDOUT, env=env)
+                            stderr=subprocess.STDOUT, env=env, process_group=0 if own_group else None)
 
 
 def train(run_dir: Path, *overrides: str, timeout: float = 600) -> str:

@@ -9,6 +9,7 @@ bonus so that every step still changes the weights and the optimizer state matte
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -59,14 +60,16 @@ def test_dense_loop_logs_every_metric_checkpoints_and_reports(dense_run):
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(dense_run, tmp_path):
-    """Both parts write their checkpoints in the background (checkpoint.async_save): the stop waits for its
-    checkpoint, the resumed run publishes each one during the next step's rollout and the last at its end."""
+    """The SIGTERM goes to the run's whole process group, Ray's daemons and workers included, as Slurm and
+    `timeout` send it: the run still checkpoints (Ray's processes ignore it) and exits 75. Both parts write their
+    checkpoints in the background (checkpoint.async_save): the stop waits for its checkpoint, the resumed run
+    publishes each one during the next step's rollout and the last at its end."""
     # the step in progress gets all the time it needs to end and be checkpointed (on this loaded machine a step
     # may take longer than the default checkpoint.stop_grace_s, after which the run would exit without it)
     process = start(tmp_path, "model.path=tiny-llama", "steps=3", "checkpoint.async_save=true",
-                    "checkpoint.stop_grace_s=600", *GREEDY)
+                    "checkpoint.stop_grace_s=600", *GREEDY, own_group=True)
     wait_for_step(tmp_path, process, 1)
-    process.send_signal(signal.SIGTERM)
+    os.killpg(process.pid, signal.SIGTERM)
     assert process.wait(timeout=300) == 75  # EXIT_STOPPED: checkpoint written, run the same command to resume
     out = (tmp_path / "out.log").read_text()
     stopped_at, _ = model_state(tmp_path)

@@ -432,3 +432,17 @@ def test_a_micro_batch_without_response_tokens_adds_nothing_to_the_update():
         assert metrics["train/skipped_nonfinite"] == 0.0
     for name, update in updates[0].items():
         torch.testing.assert_close(update, updates[1][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow  # a fresh process, whose peak memory is the step's own (about a minute)
+def test_a_cpu_steps_memory_is_the_plans_at_fp32():
+    """What `qurl train --check` estimates on CPUs: the rise of the peak resident memory over a first step is the
+    plan's activations of one micro-batch at fp32 (logits over 2048 tokens dominate) plus Adam's two moments,
+    which the first step makes, within 15%."""
+    from qurl_mcore.megatron.parallel import spawn
+
+    from . import workers
+
+    out = spawn(workers.step_memory, 1, 512, 4)[0]
+    plan = out["plan"]
+    assert out["rise"] == pytest.approx(plan["peak"] - plan["static"] + plan["optimizer"]["replicated"], rel=0.15)

@@ -49,3 +49,33 @@ def train_step(rank: int, world_size: int, overrides: list[str]) -> dict:
         return {"metrics": metrics, "grads": grads, "weights": weights} if rank == 0 else {"metrics": metrics}
     finally:
         trainer.close()
+
+
+def step_memory(rank: int, tokens: int, rows: int) -> dict:
+    """The rise of this process's peak resident memory over a first step of `rows` sequences of `tokens`
+    tokens each (one micro-batch), and the plan's bytes for the same config at fp32 (`sizing.trainer_bytes`)."""
+    import json
+    import resource
+
+    from qurl_mcore.models import resolve_model_path
+    from qurl_mcore.models.registry import shape
+    from qurl_mcore.sizing import trainer_bytes
+
+    cfg = load_config(None, ["model.path=tiny-llama", "uaq.enabled=false", "precision=bf16", "train.mini_batches=1",
+                             f"rollout.context_length={tokens}", f"rollout.max_new_tokens={tokens // 2}",
+                             f"train.micro_batch_size={rows}", "data.prompts_per_step=1",
+                             f"rollout.samples_per_prompt={rows}"])
+    trainer = PolicyTrainer(cfg, cfg.recipe(), rank=rank)
+    try:
+        g = torch.Generator().manual_seed(0)
+        half = tokens // 2
+        samples = [Sample(torch.randint(3, 1000, (half,), generator=g).tolist(),
+                          torch.randint(3, 1000, (half,), generator=g).tolist(), [-1.0] * half) for _ in range(rows)]
+        step = collate(samples, torch.linspace(-1.0, 1.0, rows), pad_id=0)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        trainer.step(step)
+        rise = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    finally:
+        trainer.close()
+    hf = json.loads((resolve_model_path(cfg.model.path) / "config.json").read_text())
+    return {"rise": rise, "plan": trainer_bytes(shape(hf), cfg, cuda=False)}

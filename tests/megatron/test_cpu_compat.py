@@ -9,13 +9,13 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fixes
 
 def test_every_fix_applies_once():
     names = apply_cpu_compat()
-    assert names == tuple(name for name, _ in FIXES) and len(names) == 9
+    assert names == tuple(name for name, _ in FIXES) and len(names) == 8
     assert apply_cpu_compat() == names  # idempotent
 
 
 def test_cuda_devices_mean_the_cpu_and_clipping_needs_no_cuda_tensors():
-    """What the training stack's modules allocate with device="cuda" lands on the CPU, while torch itself is
-    untouched elsewhere; gradient clipping scales by max_norm / (total_norm + 1e-6) as Megatron's does."""
+    """What megatron's modules allocate with device="cuda" lands on the CPU, while torch itself is untouched
+    elsewhere; gradient clipping scales by max_norm / (total_norm + 1e-6) as Megatron's does."""
     apply_cpu_compat()
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.pipeline_parallel.schedules as schedules
@@ -38,7 +38,7 @@ def test_fixes_replace_the_cuda_assumptions():
     import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    assert torch.device(torch.cuda.current_device()).type == "cpu"
+    assert torch.device(moe_utils.torch.cuda.current_device()).type == "cpu"
     assert moe_utils.te_general_gemm is None
     import megatron.core.transformer.multi_latent_attention as mla
 
@@ -74,12 +74,40 @@ def test_revert_puts_back_everything_the_fixes_replaced():
     level = logging.getLogger(mrandom.__name__).level
     try:
         apply_cpu_compat()
-        assert schedules.torch is not torch and torch.cuda.synchronize is not before[3]
+        assert schedules.torch is not torch and schedules.torch.cuda.synchronize is not before[3]
     finally:
         revert_cpu_compat()
     assert [vars(owner).get(name, "absent") for owner, name in watched] == before
     assert logging.getLogger(mrandom.__name__).level == level
     assert apply_cpu_compat() == tuple(name for name, _ in FIXES)  # and they apply again
+
+
+def test_torch_cuda_stays_torchs_own_while_megatron_runs_on_the_cpu():
+    """Only megatron's modules see the CPU meanings of torch.cuda's functions, also a module megatron imports
+    while its groups are up; every other caller in the process (SGLang colocated, user code) gets torch's."""
+    import importlib
+    import sys
+
+    import torch.distributed as dist
+
+    from qurl_mcore.megatron.parallel import destroy_parallel, init_parallel
+
+    names = ("current_device", "current_stream", "stream", "synchronize", "manual_seed", "get_rng_state")
+    own = {name: vars(torch.cuda)[name] for name in names}
+    late = "megatron.core.inference.text_generation_server.endpoints.common"  # broadcasts on current_device()
+    sys.modules.pop(late, None)
+    init_parallel()
+    try:
+        assert {name: getattr(torch.cuda, name) for name in names} == own and sys.modules["torch"] is torch
+        with pytest.raises((AssertionError, RuntimeError)):
+            torch.cuda.current_device()  # CPU torch's own answer
+        endpoints = importlib.import_module(late)
+        endpoints.send_do_generate()  # megatron's code: a tensor on torch.cuda.current_device(), broadcast
+        assert endpoints.torch is not torch and dist.is_initialized()
+        assert type(endpoints.__loader__) is type(sys.modules["megatron.core.utils"].__loader__)
+    finally:
+        destroy_parallel()
+    assert endpoints.torch is torch
 
 
 def test_megatron_seeding_leaves_the_cpu_generator_alone():
