@@ -7,6 +7,7 @@ import torch
 
 from qurl_mcore.megatron import sync_free
 from qurl_mcore.stack import Stack
+from tests.conftest import requires_cuda
 from tests.host_syncs import HostReads
 
 
@@ -91,3 +92,28 @@ def test_install_puts_them_where_megatron_calls_them():
     with HostReads() as reads:
         norm = clip_grads.get_grad_norm_fp32(grads)
     assert norm == pytest.approx(5.0) and reads.count == 1
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_on_cuda_neither_synchronizes_and_both_keep_megatrons_numbers():
+    """torch's sync debug mode raises on any synchronizing call: neither stand-in makes one. The permutation
+    is Megatron's element for element; the norm within fp32 summation-order rounding of Megatron's (on CUDA,
+    `_foreach_norm` sums a tensor's squares in another order than `torch.norm`)."""
+    from megatron.core.transformer.moe.moe_utils import permute
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    routing_map, probs, x = (t.cuda() for t in _routing(4096, 128, 8, seed=0))
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=gen).cuda() for shape in [(4096, 2048), (128, 768, 2048), (7,)]]
+    noop = torch.zeros(1, dtype=torch.int, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ours = sync_free.permute(x, routing_map, probs=probs, num_out_tokens=4096 * 8)
+        norm, _ = sync_free.multi_tensor_l2_norm(2048 * 32, noop, [tensors], False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(a, b) for a, b in zip(ours, permute(x, routing_map, probs=probs, num_out_tokens=4096 * 8)))
+    megatron, _ = local_multi_tensor_l2_norm(2048 * 32, noop, [tensors], False)
+    assert torch.allclose(norm, megatron, rtol=1e-5, atol=0)
