@@ -50,8 +50,8 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[tor
     num_tokens = routing_map.shape[0]
     # the routing map's nonzeros in [experts, tokens] order: masked_select's order over routing_map.T
     flat = torch.nonzero_static(routing_map.bool().T.reshape(-1), size=num_out_tokens).squeeze(1)
-    sorted_indices, experts = flat % num_tokens, flat // num_tokens
-    permuted_probs = None if probs is None else probs[sorted_indices, experts]
+    sorted_indices = flat % num_tokens
+    permuted_probs = None if probs is None else probs.T.contiguous().view(-1).index_select(0, flat)
     return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
 
 
