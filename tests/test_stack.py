@@ -1,5 +1,5 @@
-"""Which Megatron fusions, gradient-norm kernel and experts module the trainer runs, by stack (`qurl_mcore.stack`), with hand-given
-stacks, and what `qurl train --check` prints of them."""
+"""Which Megatron fusions, gradient-norm kernel and experts module the trainer runs, by stack
+(`qurl_mcore.stack`), with hand-given stacks, and what `qurl train --check` prints of them."""
 from __future__ import annotations
 
 import pytest
