@@ -41,7 +41,8 @@ def multi_tensor_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists:
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None,
             num_out_tokens: Optional[int] = None, fused: bool = False, drop_and_pad: bool = False):
     """Megatron's `moe_utils.permute` (same arguments, same (permuted tokens, permuted probs, token indices)),
-    sized by `num_out_tokens` where it is a host int of a dropless, unfused permutation (module docstring)."""
+    sized by `num_out_tokens` where an unfused permutation without capacity padding gets it as a host int: the
+    routing map's number of nonzeros, as Megatron's fused permutation takes it too (module docstring)."""
     from megatron.core.transformer.moe import moe_utils
 
     if fused or drop_and_pad or not isinstance(num_out_tokens, int):
