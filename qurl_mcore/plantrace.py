@@ -66,16 +66,20 @@ def traced_models(layers: dict[str, int]) -> list[dict[str, int]]:
     return [base] + [{**base, kind: 2} for kind, n in layers.items() if n]
 
 
+def per_layer(runs: list[dict[str, int]], models: list[dict[str, int]]) -> dict[str, dict[str, int]]:
+    """What one more layer of each kind adds to each measured figure, from traces of the `models` layer counts
+    (`traced_models`): f(base + 1 of kind) − f(base), 0 for a kind no traced model adds."""
+    (base, *steps), (first, *others) = runs, models
+    return {key: {kind: next((run[key] - base[key] for run, model in zip(steps, others)
+                              if model[kind] != first[kind]), 0) for kind in KINDS} for key in base}
+
+
 def extrapolate(runs: list[dict[str, int]], models: list[dict[str, int]], layers: dict[str, int]) -> dict[str, int]:
     """Each measured figure at the stage's `layers`, from traces of the `models` layer counts (`traced_models`):
     f(layers) = f(base) + Σ_kind (layers[kind] − base[kind])·(f(base + 1 of kind) − f(base))."""
-    (base, *steps), (first, *others) = runs, models
-    out = {}
-    for key in base:
-        out[key] = base[key] + sum((layers[kind] - first[kind]) * (run[key] - base[key])
-                                   for run, model in zip(steps, others) for kind in KINDS
-                                   if model[kind] != first[kind])
-    return out
+    base, first = runs[0], models[0]
+    return {key: base[key] + sum((layers[kind] - first[kind]) * step for kind, step in steps.items())
+            for key, steps in per_layer(runs, models).items()}
 
 
 def trace_trainer(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeout: float = 900.0) -> dict[str, Any]:
@@ -85,8 +89,8 @@ def trace_trainer(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeo
     passes, the update-capture metric's copy), the forward and backward, the optimizer's update, the
     update-capture metric after it, a push's export), the stage's layers of each kind (`stage_layers`) and those
     traced (`traced_layers`: one entry per traced model), the host synchronizations of one step (`host_syncs`,
-    extrapolated like the peaks; `host_sync_sites` of the largest traced model), and the seconds the trace
-    took."""
+    extrapolated like the peaks; `host_syncs_per_layer`, what one more layer of each kind adds, 0 where the stage
+    was traced whole; `host_sync_sites` of the largest traced model), and the seconds the trace took."""
 
     s = shape(hf)
     plan = trainer_bytes(s, cfg)
@@ -103,6 +107,7 @@ def trace_trainer(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeo
     for run in runs[:-1]:
         run.pop("host_sync_sites")
     measured = extrapolate(runs, models, layers)
+    syncs_per_layer = per_layer(runs, models)["host_syncs"]  # the MoE dispatcher's, per forward pass
     if len(models) > 1:  # but the push's: the states it starts from grow with the layers, its gathered tensor
         # and bucket do not
         measured["push"] = measured["push_start"] + max(r["push"] - r["push_start"] for r in runs)
@@ -115,7 +120,7 @@ def trace_trainer(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeo
                        "update_capture": plan["update_capture"], "push": export_bytes(cfg, plan, push_bytes(s, cfg))},
            "rank": rank, "world_size": world, "stage_layers": layers,
            "traced_layers": {k: max(m[k] for m in models) for k in KINDS}, "traced_models": models,
-           "host_syncs": syncs, "host_sync_sites": sites}
+           "host_syncs": syncs, "host_syncs_per_layer": syncs_per_layer, "host_sync_sites": sites}
     return {**out, "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -313,11 +318,12 @@ def format_trace(trace: dict[str, Any]) -> str:
            f"{', '.join(kinds(m) for m in models)} layers per stage, each phase's peak extrapolated to the stage's "
            f"{kinds(t['stage_layers'])}")
     phases = ", ".join(f"{k} {gib(v)}" for k, v in t["phases"].items())
+    layer_syncs = "".join(f", {n} per {kind} layer" for kind, n in t["host_syncs_per_layer"].items() if n)
     lines = [
         f"trace     trainer rank {t['rank']} of {t['world_size']} on fake CUDA ({how}; {t['seconds']:.0f} s): "
         f"measured peak {gib(t['measured_peak_bytes'])}, planned {gib(t['planned_peak_bytes'])} ({_diff(t)}); "
         f"per phase: {phases}; push's export planned {gib(t['planned']['push'])}; {t['host_syncs']} host "
-        f"synchronizations a step",
+        f"synchronizations a step{layer_syncs}",
         f"trace     engine GPU weights after a load (the plugin's quantizer on the first layer of each kind, "
         f"{kinds(e['traced_layers'])}, times the layers of its kind; {e['seconds']:.0f} s): measured {gib(e['measured_peak_bytes'])} (of it "
         f"{gib(e['quantize_transient_bytes'])} while one tensor is quantized), planned {gib(e['planned_peak_bytes'])} "

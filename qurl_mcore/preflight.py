@@ -34,7 +34,7 @@ from .runlock import in_use
 from .sizing import GPUS, batch_bytes, check_fits, local_gpu, model_config, parameter_count, trainer_bytes
 from .sizing.gpus import GiB
 from .smoothing import fold_table, refusal
-from .stack import Stack, experts, fusions
+from .stack import Stack, experts, fusions, grad_norm
 from .tasks import (REWARDS, Example, addition_examples, chat_ids, load_reward, prompt_file_problem,
                     replies_stating, scan_examples, score_all)
 
@@ -471,14 +471,17 @@ def _placement(cfg: Config, use_gpu: bool, out: Preflight, local: bool) -> None:
 
 
 def _kernel_lines(cfg: Config, moe: bool, out: Preflight) -> None:
-    """The trainer's Megatron fusions on this process's stack (a trainer node's may differ: the rank decides
-    with the same table, `stack.fusions`) and, for an MoE model, its experts module."""
+    """The trainer's Megatron fusions and gradient-norm kernel on this process's stack (a trainer node's may
+    differ: the rank decides with the same tables, `stack.fusions`, `stack.grad_norm`) and, for an MoE model,
+    its experts module."""
     choice = fusions(Stack.installed())
     on = [name for name, (yes, _) in choice.items() if yes]
     out.summary.append(f"  fusions     {', '.join(on) or 'none'} on (this node's stack)")
     for name, (yes, why) in choice.items():
         if not yes:
             out.summary.append(f"              {name} off: {why}")
+    kernel, what = grad_norm(Stack.installed())
+    out.summary.append(f"  grad norm   {kernel}: {what}")
     if moe:
         name, why = experts(cfg.recipe())
         out.summary.append(f"  experts     {name}: {why}")

@@ -1,8 +1,9 @@
 """What the trainer runs on the installed software stack: each Megatron fusion on where the stack provides its
-kernel, off with the reason where it does not (`fusions`), and the routed experts' module (`experts`).
+kernel, off with the reason where it does not (`fusions`), the gradient norm's kernel (`grad_norm`), and the
+routed experts' module (`experts`).
 
-Imports no Megatron: `qurl train --check` prints the same choices that `megatron.gpt.gpt_config` and
-`megatron.spec.gpt_spec` make.
+Imports no Megatron: `qurl train --check` prints the same choices that `megatron.gpt.gpt_config`,
+`megatron.spec.gpt_spec` and `megatron.sync_free.install` make.
 """
 from __future__ import annotations
 
@@ -69,6 +70,23 @@ def fusions(stack: Stack) -> dict[str, tuple[bool, str]]:
         else:
             out[f.field] = (True, f.fuses)
     return out
+
+
+#: the gradient norm's kernel, in Megatron's order of preference (`megatron.core.optimizer.clip_grads`): Transformer
+#: Engine's, apex's, else ours on the device (`qurl_mcore.megatron.sync_free`), which replaces Megatron's own
+#: fallback
+GRAD_NORMS = {
+    "te": "Transformer Engine's multi_tensor_l2norm",
+    "apex": "apex's amp_C.multi_tensor_l2norm",
+    "foreach": "torch._foreach_norm on the device (Megatron's own fallback reads every tensor's norm back to the "
+               "host)",
+}
+
+
+def grad_norm(stack: Stack) -> tuple[str, str]:
+    """(a key of `GRAD_NORMS`, what it is): the kernel that sums the gradient norm's squares on `stack`."""
+    name = "te" if stack.te else "apex" if stack.apex else "foreach"
+    return name, GRAD_NORMS[name]
 
 
 #: the modules an MoE layer's routed experts can run as (`megatron.spec.EXPERTS` builds them)

@@ -1,12 +1,12 @@
-"""Which Megatron fusions and experts module the trainer runs, by stack (`qurl_mcore.stack`), with hand-given
-stacks, and what `qurl train --check` prints of them."""
+"""Which Megatron fusions, gradient-norm kernel and experts module the trainer runs, by stack
+(`qurl_mcore.stack`), with hand-given stacks, and what `qurl train --check` prints of them."""
 from __future__ import annotations
 
 import pytest
 
 from qurl_mcore.cli import main
 from qurl_mcore.recipe import resolve
-from qurl_mcore.stack import EXPERTS, FUSIONS, Stack, experts, fusions
+from qurl_mcore.stack import EXPERTS, FUSIONS, GRAD_NORMS, Stack, experts, fusions, grad_norm
 
 ALL = {f.field for f in FUSIONS}
 
@@ -41,6 +41,16 @@ def test_gpt_config_takes_the_installed_stacks_fusions(megatron_ws1):
         name: on for name, (on, _) in fusions(Stack.installed()).items()}
 
 
+@pytest.mark.parametrize("stack,kernel", [
+    (Stack(cuda=True, te=True, apex=True), "te"),  # Megatron's own order: Transformer Engine's first
+    (Stack(cuda=True, te=False, apex=True), "apex"),
+    (Stack(cuda=True, te=False, apex=False), "foreach"),
+    (Stack(cuda=False, te=False, apex=False), "foreach"),
+])
+def test_the_grad_norm_kernel_is_the_stacks_else_the_device_side_one(stack, kernel):
+    assert grad_norm(stack) == (kernel, GRAD_NORMS[kernel])
+
+
 def test_experts_are_grouped_unless_a_scale_spans_an_experts_tokens():
     assert EXPERTS == ("grouped", "sequential")
     for precision in ("bf16", "int8", "fp4", "fp4_rc", "fp4_rc_rollout", "fp4_rc_train"):
@@ -51,7 +61,7 @@ def test_experts_are_grouped_unless_a_scale_spans_an_experts_tokens():
     assert name == "sequential" and "Transformer Engine" in why
 
 
-def test_train_check_prints_the_fusions_and_the_experts_module(tmp_path, capsys):
+def test_train_check_prints_the_fusions_the_grad_norm_and_the_experts_module(tmp_path, capsys):
     args = ["train", "--check", "model.path=tiny-qwen3_moe", "uaq.enabled=false", "precision=fp4_rc",
             f"logging.dir={tmp_path}/logs", f"checkpoint.dir={tmp_path}/c"]
     assert main(args) == 0
@@ -62,3 +72,4 @@ def test_train_check_prints_the_fusions_and_the_experts_module(tmp_path, capsys)
     for name, (yes, why) in choice.items():
         assert (f"{name} off: {why}" in out) == (not yes)
     assert "experts     grouped: one grouped GEMM per projection" in out
+    assert "grad norm   {}: {}".format(*grad_norm(Stack.installed())) in out

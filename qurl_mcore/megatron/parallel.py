@@ -15,8 +15,10 @@ import torch.multiprocessing as mp
 from megatron.core import parallel_state
 from megatron.core import tensor_parallel as mtp
 
+from qurl_mcore.stack import Stack
 from qurl_mcore.transfer import comm_backend, free_port, stores_bound_to_their_address
 
+from . import sync_free
 from .cpu_compat import apply_cpu_compat, revert_cpu_compat
 
 
@@ -30,13 +32,16 @@ def init_parallel(
     rank: int | None = None,
     world_size: int | None = None,
 ) -> None:
-    """Start torch.distributed (if needed) and Megatron's model-parallel groups, and seed Megatron's RNGs.
+    """Start torch.distributed (if needed) and Megatron's model-parallel groups, and seed Megatron's RNGs;
+    first Megatron's fixes for this device (`cpu_compat`) and its functions that need not read the device
+    back (`sync_free`).
 
     Rank and world size come from the arguments or the usual RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
     environment; a lone process without them gets world size 1 on a free local port. `expert_tensor_parallel`
     defaults to 1 when experts are sharded (EP > 1), else to `tensor_parallel`.
     """
     apply_cpu_compat()
+    sync_free.install(Stack.installed())
     bind_device()  # before NCCL's communicators, which take the current device
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank

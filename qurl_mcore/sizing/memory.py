@@ -41,6 +41,8 @@ class _Stage:
     dense: int = 0  # parameters one rank of the stage holds outside the experts
     expert: int = 0
     trained_quantized: int = 0  # of those, in linears the trainer quantizes (precision.quantized_linears, train)
+    stacked_experts: int = 0  # routed experts' parameters the trainer keeps in full precision, which grouped experts
+    # stack into one tensor per projection for their GEMMs (`megatron.grouped_experts`)
     layers: int = 0
     dense_layers: int = 0  # of those, dense layers before the MoE ones (DeepSeek-V3's, GLM-4.5's first_k_dense_replace)
 
@@ -69,6 +71,7 @@ def _stages(s: Shape, cfg: Config) -> list[_Stage]:
     for st, (n, q) in zip(stages, experts):  # a rank holds E/EP experts, each /ETP
         st.expert += n // (ep * etp)
         st.trained_quantized += q // (ep * etp)
+        st.stacked_experts += (n - q) // (ep * etp)
     return stages
 
 
@@ -152,9 +155,11 @@ def activation_bytes(s: Shape, cfg: Config, recompute: str, e: int = 2) -> list[
       full        e·h·s·b/TP (the checkpointed layer input) plus one layer's whole set, recomputed
     Times the micro-batches in flight on the stage (1F1B: PP − stage, at most the micro-batches of a step).
     Plus, on the last stage, the logits s·b·V/TP·(e + 4 + 4) (the model's output, its fp32 copy / temperature,
-    and the contiguous copy vocab_parallel_cross_entropy exponentiates and keeps: megatron/logprobs.py), and
-    for quantized-training precisions the fp32 weights each quantized linear keeps for its backward (all of
-    the stage's, or one layer's under full recompute).
+    and the contiguous copy vocab_parallel_cross_entropy exponentiates and keeps: megatron/logprobs.py), the
+    fp32 weights each quantized linear keeps for its backward (quantized-training precisions), and the stacked
+    weights of grouped experts in full precision, e bytes per element (the trainer's experts module for every
+    precision but per-tensor FP8 on TE, `stack.experts`, whose experts are quantized): all of the stage's, or one
+    layer's under full recompute.
     """
     if recompute not in RECOMPUTE_ORDER:
         raise ValueError(f"train.recompute: {recompute!r} is not one of {list(RECOMPUTE_ORDER)}")
@@ -177,7 +182,7 @@ def activation_bytes(s: Shape, cfg: Config, recompute: str, e: int = 2) -> list[
         else:
             core = "core" if recompute == "none" else "selective"
             layers = moe * layer(core, "mlp") + st.dense_layers * layer(core, "dense_mlp")
-        weights = 4 * st.trained_quantized // (st.layers if recompute == "full" else 1)
+        weights = (4 * st.trained_quantized + e * st.stacked_experts) // (st.layers if recompute == "full" else 1)
         logits = tokens * math.ceil(s.vocab / t.tp_size) * (e + 8) if k == t.pp_size - 1 else 0
         out.append(inflight * (layers + weights) + logits)
     return out

@@ -3,16 +3,32 @@
 the optimizer and the metrics reduction, as a GPU rank would be."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from qurl_mcore.fakecuda import run_traced
 
 from . import workers
 
+def _syncs_by_file(out: dict) -> Counter:
+    """The traced host synchronizations of `workers.trainer_steps`, by the file that asked for them."""
+    by_file = Counter()
+    for site, n in out["host_sync_sites"].items():
+        by_file[site.rsplit(" at ", 1)[1].split(":")[0]] += n
+    return by_file
+
+
 def test_metrics_reduce_on_the_device_over_the_nccl_dp_group():
-    """N2: the step's metrics reach NCCL as device tensors."""
+    """N2: the step's metrics reach NCCL as device tensors, and a dense step's optimizer reads the gradient norm
+    once (its kernel reads no tensor's norm back: `megatron.sync_free`) and finalize_model_grads its token count
+    once."""
     out = run_traced(workers.trainer_steps, "qwen3", [], [16])
     assert out["policy"] and out["peaks"][1] >= out["peaks"][0] > 0
+    by_file = _syncs_by_file(out)
+    assert by_file["megatron/core/utils.py"] == 0
+    assert by_file["megatron/core/optimizer/clip_grads.py"] == by_file[
+        "megatron/core/distributed/finalize_model_grads.py"] == 1
 
 
 def test_steps_with_different_micro_batch_counts_reduce_every_bucket_once():
@@ -51,8 +67,12 @@ def test_a_push_exports_every_tensor_on_the_device_in_the_rollout_dtype_and_broa
 def test_an_moe_step_under_expert_parallelism_dispatches_balanced_tokens_and_counts_its_host_syncs():
     """EP 4 (TP 1, DP 8): Megatron's all-to-all dispatcher copies the tokens per expert to the host to size its
     all-to-all (the façade answers the balanced routing, which NCCL's split-size rule accepts), and those
-    copies' synchronizations are counted where the dispatcher makes them."""
-    out = run_traced(workers.trainer_steps, "qwen3_moe", ["train.ep_size=4"], [16], 1)
-    dispatcher = {site: n for site, n in out["host_sync_sites"].items()
-                  if "megatron/core/transformer/moe/token_dispatcher.py" in site}
-    assert dispatcher and all(n > 0 for n in dispatcher.values())
+    copies' synchronizations are counted where the dispatcher makes them: once per MoE layer and forward (2
+    layers, one training forward). Nothing else in the layers reads back (`megatron.sync_free`: the unfused
+    permutation, in moe_utils, and the gradient norm's fallback, in megatron/core/utils.py), and the optimizer
+    step reads its norm once and finalize_model_grads its token count once."""
+    by_file = _syncs_by_file(run_traced(workers.trainer_steps, "qwen3_moe", ["train.ep_size=4"], [16], 1))
+    assert by_file["megatron/core/transformer/moe/token_dispatcher.py"] == 2
+    assert by_file["megatron/core/utils.py"] == by_file["megatron/core/transformer/moe/moe_utils.py"] == 0
+    assert by_file["megatron/core/optimizer/clip_grads.py"] == by_file[
+        "megatron/core/distributed/finalize_model_grads.py"] == 1

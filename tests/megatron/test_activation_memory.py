@@ -65,16 +65,13 @@ def _peak_live_bytes(fn) -> int:
                                   "tiny-qwen2_moe", "tiny-glm4_moe", "tiny-deepseek_v3"])
 def test_layer_activations_equal_what_autograd_keeps(megatron_ws1, name, precision):
     """Per layer: GQA attention (+ q/k norms for Qwen3 and GLM-4.5) or MLA, the dense GLU MLP, routed experts
-    (+ a shared expert, gated for Qwen2-MoE), dense first layers before MoE ones, and for the quantized-training
-    precision the fp32 weights and inputs its linears keep."""
+    (+ a shared expert, gated for Qwen2-MoE) as the trainer's grouped experts run them (in full precision their
+    stacked weights), dense first layers before MoE ones, and for the quantized-training precision the fp32
+    weights and inputs its linears keep."""
     s, b = 64, 2
     shape, cfg = _plan(name, precision, s, b)
     ids = torch.randint(3, 1000, (b, s), generator=torch.Generator().manual_seed(0))
-
-    # the plan's expert term is SequentialMLP's; grouped experts keep more (a tiny Qwen3-MoE: 3.90 MB against
-    # 3.11 MB), which the plan does not model yet
-    model = build_gpt(resolve_model_path(name), recipe=resolve(precision), core_attention="sdpa",
-                      experts="sequential")
+    model = build_gpt(resolve_model_path(name), recipe=resolve(precision), core_attention="sdpa")
     measured = _saved_in_layers(model, ids)
     if "mla" in shape.features:
         # MLA's v is narrower than q and k: torch's CPU SDPA then runs its math path, which keeps the attention
@@ -85,7 +82,7 @@ def test_layer_activations_equal_what_autograd_keeps(megatron_ws1, name, precisi
     stage = _stages(shape, cfg)[0]
     planned = (sum(s * b * (per["attention"] + per["core"] + per[mlp]) + rope for mlp in
                    ["dense_mlp"] * stage.dense_layers + ["mlp"] * (shape.layers - stage.dense_layers))
-               + 4 * stage.trained_quantized)
+               + 4 * stage.trained_quantized + 4 * stage.stacked_experts)
     assert planned == pytest.approx(measured, rel=0.01)
 
 
