@@ -1,5 +1,5 @@
 """Where the FP4 kernels serve: an engine's FP4 experts and FP4 linears on CUDA with `kernel: auto` (traced on
-a fake H100: the kernels' custom op runs as its fake, shapes only), the emulation everywhere else."""
+a fake H100 and B200: the kernels' custom op runs as its fake, shapes only), the emulation everywhere else."""
 from __future__ import annotations
 
 import pytest
@@ -14,16 +14,36 @@ from . import workers
 GEMM = "qurl::fp4_moe_gemm"
 
 
-def test_an_fp4_engine_on_cuda_routes_experts_and_linears_through_the_kernels():
+H100, B200 = "H100-80GB", "B200"
+AUTO = [(gpu, method, "auto", fmt) for gpu in (H100, B200) for method in ("qurl_fp4_rc", "qurl_fp4")
+        for fmt in ("nvfp4", "mxfp4")]
+
+
+@pytest.fixture(scope="module")
+def calls():
+    """The kernel ops of every FP4 method and format with `kernel: auto` on a fake H100 and B200, and of
+    `kernel: qurl` on the H100: one traced process."""
+    return run_traced(workers.fp4_kernel_calls, [*AUTO, (H100, "qurl_fp4_rc", "qurl", "nvfp4")])
+
+
+def test_an_fp4_engine_on_cuda_routes_experts_and_linears_through_the_kernels(calls):
     """qurl_fp4_rc and qurl_fp4 on CUDA (kernel: auto): the experts run two fused GEMMs (gate/up with SiLU,
     then down) and the linear one, with outputs of the input's device and shape; `kernel: qurl` keeps the
     emulation (no kernel op)."""
-    calls = run_traced(workers.fp4_kernel_calls, [("qurl_fp4_rc", "auto"), ("qurl_fp4", "auto"),
-                                                  ("qurl_fp4_rc", "qurl")])
+    for gpu, method, _, fmt in AUTO:
+        if (gpu, fmt) != (B200, "mxfp4"):  # that one: dot_scaled (the next test)
+            assert calls[(gpu, method, "auto", fmt)] == {"experts": [GEMM, GEMM, "cuda (4, 128)"],
+                                                         "linear": [GEMM, "cuda (4, 96)"]}
+    assert calls[(H100, "qurl_fp4_rc", "qurl", "nvfp4")] == {"experts": ["cuda (4, 128)"], "linear": ["cuda (4, 96)"]}
+
+
+def test_on_blackwell_mxfp4_takes_the_scaled_dot_and_nvfp4_the_decoded_mmas(calls):
+    """On a fake B200 (SM100), `kernel: auto`: MXFP4's GEMMs multiply by `tl.dot_scaled` (the op's `scaled`),
+    RC on and off (NVFP4's stay on the decoded bf16 MMAs, as both formats' do on the H100: the test above)."""
+    scaled = f"{GEMM} scaled"
     for method in ("qurl_fp4_rc", "qurl_fp4"):
-        assert calls[(method, "auto")] == {"experts": [GEMM, GEMM, "cuda (4, 128)"],
-                                           "linear": [GEMM, "cuda (4, 96)"]}
-    assert calls[("qurl_fp4_rc", "qurl")] == {"experts": ["cuda (4, 128)"], "linear": ["cuda (4, 96)"]}
+        assert calls[(B200, method, "auto", "mxfp4")] == {"experts": [scaled, scaled, "cuda (4, 128)"],
+                                                          "linear": [scaled, "cuda (4, 96)"]}
 
 
 @pytest.mark.parametrize("mode, fmt, device, serves", [

@@ -10,14 +10,16 @@ from qurl_mcore.fakecuda import fake_cuda
 
 
 class _Ops(TorchDispatchMode):
-    """The names of the operators that run (qurl's custom ops among them)."""
+    """The names of the operators that run (qurl's custom ops among them), an FP4 GEMM's with " scaled" where
+    it multiplies by `tl.dot_scaled`."""
 
     def __init__(self):
         super().__init__()
         self.names: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.name())
+        named = {**dict(zip((a.name for a in func._schema.arguments), args)), **(kwargs or {})}
+        self.names.append(func.name() + (" scaled" if named.get("scaled") is True else ""))
         return func(*args, **(kwargs or {}))
 
 
@@ -39,10 +41,10 @@ def _plugin_layers(device: str, options):
     return moe, experts, linear, dense
 
 
-def _calls(device: str, method: str, kernel: str) -> dict[str, list[str]]:
+def _calls(device: str, method: str, kernel: str, fmt: str) -> dict[str, list[str]]:
     from qurl_mcore.sglang.options import QurlOptions
 
-    options = QurlOptions.parse(method, {"fmt": "nvfp4", "kernel": kernel})
+    options = QurlOptions.parse(method, {"fmt": fmt, "kernel": kernel})
     moe, experts, linear, dense = _plugin_layers(device, options)
     x = torch.randn(4, 128, device=device, dtype=torch.bfloat16)
     topk = (torch.rand(4, 2, device=device), torch.randint(0, 8, (4, 2), device=device, dtype=torch.int32), None)
@@ -56,8 +58,11 @@ def _calls(device: str, method: str, kernel: str) -> dict[str, list[str]]:
     return out
 
 
-def fp4_kernel_calls(cases: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, list[str]]]:
-    """For (method, kernel option) cases: the qurl custom ops an engine's FP4 MoE experts and FP4 linear run,
-    and their outputs' device and shape, on a fake H100."""
-    with fake_cuda(gpu="H100-80GB"):
-        return {case: _calls("cuda", *case) for case in cases}
+def fp4_kernel_calls(cases: list[tuple[str, str, str, str]]) -> dict[tuple[str, str, str, str], dict[str, list[str]]]:
+    """For (fake GPU, method, kernel option, format) cases: the qurl custom ops an engine's FP4 MoE experts and
+    FP4 linear run, and their outputs' device and shape."""
+    out = {}
+    for gpu in dict.fromkeys(case[0] for case in cases):
+        with fake_cuda(gpu=gpu):
+            out |= {case: _calls("cuda", *case[1:]) for case in cases if case[0] == gpu}
+    return out
