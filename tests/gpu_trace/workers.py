@@ -398,3 +398,22 @@ def mla_decode_weights(gpu: str) -> dict:
     out["reported"] = sorted(set(open(log).read().split()))
     os.unlink(log)
     return out
+
+
+def checkpointed_attention_peaks(lengths: list[int], heads: int = 32, head_dim: int = 128) -> list[int]:
+    """The CUDA bytes a masked `scaled_dot_product_attention` adds at its peak over forward and backward, run as
+    Megatron's full recompute runs a layer (a reentrant checkpoint: the backward, on autograd's device thread,
+    runs the forward again), for sequences of each of `lengths` tokens."""
+    import torch.utils.checkpoint as checkpoint
+
+    peaks = []
+    for s in lengths:
+        with fake_cuda() as trace:
+            q, k, v = (torch.empty(1, heads, s, head_dim, device="cuda", requires_grad=True) for _ in range(3))
+            mask = torch.ones(s, s, dtype=torch.bool, device="cuda").tril()[None, None]
+            base = trace.live_bytes
+            trace.reset_peak()
+            attention = lambda *qkv: torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=mask)  # noqa: E731
+            checkpoint.checkpoint(attention, q, k, v, use_reentrant=True).sum().backward()
+            peaks.append(trace.peak_bytes - base)
+    return peaks
