@@ -517,8 +517,6 @@ class _Functions(TorchFunctionMode):
         if any(isinstance(a, torch.UntypedStorage) and a.device.type == "cpu" for a in args):
             with unset_fake_temporarily():
                 return func(*args, **(kwargs or {}))
-        if func is _SDPA and args and args[0].device.type == "cuda":
-            return _efficient_attention(*args, **(kwargs or {}))
         if func is torch.tensor and args and isinstance(args[0], (list, tuple)):  # reads each tensor in it
             args = (tree_map_only(torch.Tensor, self.tracer._read, args[0]), *args[1:])
         out = func(*args, **(kwargs or {}))
@@ -531,6 +529,11 @@ class _Functions(TorchFunctionMode):
 
 _SET_DATA = torch._C.TensorBase.data.__set__
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _attention(query, *args, **kwargs):
+    """`scaled_dot_product_attention` inside the façade: `_efficient_attention` on a fake CUDA device."""
+    return (_efficient_attention if query.device.type == "cuda" else _SDPA)(query, *args, **kwargs)
 
 
 def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -729,6 +732,9 @@ def fake_cuda(devices: int = 1, *, world_size: int = 1, rank: int = 0, gpu: str 
         stack.enter_context(_patched(torch.backends.cuda, {"is_built": lambda: True}))
         stack.enter_context(_platform_probes_forgotten())
         stack.enter_context(_patched(dist, {"new_group": _gloo_as_fake(dist.new_group), **_OBJECT_COLLECTIVES}))
+        # a function, not a branch of `_Functions`: a torch function mode does not reach autograd's device thread,
+        # where a checkpointed layer (full recompute) runs its forward again
+        stack.enter_context(_patched(torch.nn.functional, {"scaled_dot_product_attention": _attention}))
         answers["set_device"](device)
         dist.init_process_group("cuda:fake", rank=rank, world_size=world_size, store=FakeStore())
         stack.callback(_destroy_groups)

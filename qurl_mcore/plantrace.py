@@ -3,14 +3,15 @@
 
 Trainer: the rank of the fullest pipeline stage (the one `sizing.memory.trainer_bytes` plans) is built as
 `loop.trainer.PolicyTrainer` builds it, at the model's full size from its config.json or architecture card (no
-weights are read: a fake tensor has no values), and stepped once on one micro-batch of
+weights are read: a fake tensor has no values), and stepped twice on one micro-batch of
 `train.micro_batch_size` rows of `rollout.context_length` tokens on every data-parallel rank (an MoE's tokens
-routed as a balanced router routes them: `fakecuda._Tracer`). Its peak is the
-most CUDA bytes alive at once over the build and the step (forward, backward, Megatron's DDP reduce, the
-optimizer's update: a traced step never reads a loss or a norm, so the update is always taken, and the
-optimizer's states are allocated as at a real first step), then a push's export: every HF tensor gathered from
-its shards, cast to rollout.dtype and bucketed as `loop.trainer.PolicyTrainer.weight_stream` gives it, and
-broadcast over the NCCL-like group as a disaggregated push sends it.
+routed as a balanced router routes them: `fakecuda._Tracer`). Its peak is the most CUDA bytes alive at once over
+the build and the steps (forward, backward, Megatron's DDP reduce, the optimizer's update: a traced step never
+reads a loss or a norm, so the update is always taken; the first allocates the optimizer's states, which the
+second holds through its forward and backward, as every step of a run after its first), then a push's export:
+every HF tensor gathered from its shards, cast to rollout.dtype and bucketed as
+`loop.trainer.PolicyTrainer.weight_stream` gives it, and broadcast over the NCCL-like group as a disaggregated
+push sends it.
 
 Each trace runs in a fresh process (`fakecuda.run_traced`). docs/plan.md says which terms of the plan the
 trace checks and which it cannot.
@@ -172,6 +173,10 @@ def _trainer_step(cfg: Config, hf: dict[str, Any], rank: int, world: int, gpu: s
             # as the states do: a peak of 1 or 2 layers does not extrapolate)
             peaks["build"] = torch.cuda.memory_allocated()
             trace.reset_peak()
+            # two steps, each phase's peak the larger: the first allocates the optimizer's states, which every
+            # later step holds through its forward and backward; the synchronizations are the second's
+            _step(trainer, cfg)
+            mark("update_capture")
             before, sites = trace.host_syncs, copy.copy(trace.sync_sites)
             _step(trainer, cfg)
             peaks["host_syncs"] = trace.host_syncs - before

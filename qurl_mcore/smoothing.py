@@ -132,41 +132,50 @@ def _per_kv_row(t: torch.Tensor, hf: Mapping) -> torch.Tensor:
 
 @torch.no_grad()
 def calibrate(model: torch.nn.Module, prompts: Iterable[torch.Tensor], hf_config: object, groups: Iterable[str],
-              alpha: float) -> dict[str, torch.Tensor]:
+              alpha: float, run: Callable[[list[torch.Tensor]], object] | None = None) -> dict[str, torch.Tensor]:
     """The frozen scales of an HF transformers `model` (full precision): its smoothed points' input maxima
-    over every token of `prompts` (1-D token id tensors, one forward each), its consumers' column maxima, and
-    `scales_from_maxima`. Point key -> fp32 scale ([in] or, for linear_proj, [kv heads, head_dim]), on the CPU.
-    Deterministic for the same model and prompts (a maximum does not depend on the order of the tokens)."""
+    over every token of `prompts` (1-D token id tensors), its consumers' column maxima, and
+    `scales_from_maxima`. `run` takes the prompts through the model (None: one `model(ids)` each; a
+    `qurl_mcore.layerwise.LayerwiseModel`'s `run`, whose `module` is `model`, holds one layer's weights at a
+    time): both maxima are read as each point's first consumer runs, when its layer's weights exist. Point key ->
+    fp32 scale ([in] or, for linear_proj, [kv heads, head_dim]), on the CPU. Deterministic for the same model
+    and prompts (a maximum depends neither on the order of the tokens nor on that of the prompts)."""
     c = config_dict(hf_config)
     points = smoothing_points(c, groups)
     modules = dict(model.named_modules())
     x_max: dict[str, torch.Tensor] = {}
+    w_max: dict[str, torch.Tensor] = {}
 
-    def record(key):
+    def record(key, consumers):
         def hook(_module, args):
             seen = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0).float()
             x_max[key] = seen if key not in x_max else torch.maximum(x_max[key], seen)
+            if key not in w_max:
+                weights = [modules[n.removesuffix(".weight")].weight.detach().float() for n in consumers]
+                w_max[key] = torch.cat(weights).abs().amax(dim=0)
         return hook
 
-    hooks = [modules[consumers[0].removesuffix(".weight")].register_forward_pre_hook(record(key))
+    hooks = [modules[consumers[0].removesuffix(".weight")].register_forward_pre_hook(record(key, consumers))
              for key, consumers in points.items()]
-    device = next(model.parameters()).device
+    prompts = list(prompts)
     try:
-        for ids in prompts:
-            model(ids.reshape(1, -1).to(device))
+        if run is not None:
+            run(prompts)
+        else:
+            device = next(model.parameters()).device
+            for ids in prompts:
+                model(ids.reshape(1, -1).to(device), use_cache=False)
     finally:
         for h in hooks:
             h.remove()
-    params = dict(model.named_parameters())
     scales = {}
     for key, consumers in points.items():
         if key not in x_max:
             raise ValueError(f"calibration saw no input of {consumers[0]}: give it at least one prompt")
-        w_max = torch.cat([params[n].detach().float() for n in consumers]).abs().amax(dim=0)
-        x = x_max[key]
+        x, w = x_max[key], w_max[key]
         if key.endswith(GROUPED):
-            x, w_max = _per_kv_row(x, c), _per_kv_row(w_max, c)
-        scales[key] = scales_from_maxima(x, w_max, alpha).cpu()
+            x, w = _per_kv_row(x, c), _per_kv_row(w, c)
+        scales[key] = scales_from_maxima(x, w, alpha).cpu()
     return scales
 
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from qurl_mcore import checkpoint as ckpt
 from qurl_mcore.config import Config
+from qurl_mcore.layerwise import LayerwiseModel
 from qurl_mcore.models import resolve_model_path
 from qurl_mcore.models.registry import num_experts
 from qurl_mcore.recipe import Recipe, check_runnable
@@ -436,8 +437,8 @@ class PolicyTrainer:
     # -- activation smoothing (rollout.smoothing) ------------------------------------------------------------
     def _smoothing(self) -> dict[str, torch.Tensor]:
         """The frozen smoothing scales: restored from the checkpoint, or calibrated on the first call by rank 0
-        (`calibration_prompts` through the HF model in fp32 on the host: `_calibrate`) and sent to every rank
-        (collective: every rank pushes at the same time)."""
+        (`calibration_prompts` through the HF model in fp32 on the host, a layer at a time: `_calibrate`) and sent
+        to every rank (collective: every rank pushes at the same time)."""
         if self.smoothing_scales is None:
             box = [self._calibrate() if self.rank == 0 else None]
             if dist.is_initialized() and dist.get_world_size() > 1:
@@ -446,16 +447,16 @@ class PolicyTrainer:
         return self.smoothing_scales
 
     def _calibrate(self) -> dict[str, torch.Tensor]:
-        """The scales of `qurl_mcore.smoothing.calibrate`, computed on the host: the whole HF model in fp32 would
-        not fit beside this rank's trainer on its GPU (4 bytes a parameter; host memory holds it once a run)."""
+        """The scales of `qurl_mcore.smoothing.calibrate`, computed on the host one decoder layer at a time
+        (`qurl_mcore.layerwise`): the HF model in fp32 would not fit beside this rank's trainer on its GPU, nor a
+        large one whole in host memory (4 bytes a parameter: DeepSeek-V3's 2.7 TB)."""
         # transformers only where the scales are calibrated (once a run, rank 0)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=torch.float32).eval()
+        model = LayerwiseModel(self.hf_dir)
         prompts = calibration_prompts(self.cfg, AutoTokenizer.from_pretrained(self.hf_dir))
-        scales = calibrate(model, prompts, self.hf, self.recipe.engine.groups, self.cfg.rollout.smoothing)
-        del model
-        return scales
+        return calibrate(model.module, prompts, self.hf, self.recipe.engine.groups, self.cfg.rollout.smoothing,
+                         run=model.run)
 
     def push_weights(self, version: str, only: list[int] | None = None) -> float:
         """Stream this rank's weights to its engines as weight `version` (of `only` those engines, if

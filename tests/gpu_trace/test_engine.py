@@ -2,6 +2,8 @@
 layer's restore and re-quantization), with the qurl plugin loaded as SGLang loads it."""
 from __future__ import annotations
 
+import pytest
+
 from qurl_mcore.fakecuda import run_traced
 
 from . import workers
@@ -18,3 +20,32 @@ def test_masters_stay_where_they_wait_through_a_push():
     out = pushes["device"]
     assert out["loaded"] == out["during"] == out["after"] == ["cuda:0"]
     assert out["restore_bytes"] == out["after_bytes"] == 0
+
+
+@pytest.mark.slow  # SGLang's DeepSeek-V3 built, loaded and pushed in a traced process: about a minute
+def test_mla_decodes_with_the_full_precision_kv_b_proj_on_sglangs_cuda_branch():
+    """Defect 7: on an H100 (SM90: SGLang's CUDA branch) SGLang decodes DeepSeek's MLA with W_uk, W_uv (`w_kc`,
+    `w_vc`) rebuilt from kv_b_proj after the load and after every push. A `qurl_int8` engine of scope "all"
+    quantizes q_b_proj and o_proj and leaves kv_b_proj full precision, so the decode weights are the pushed
+    bf16 kv_b_proj's rows, head by head [k_nope; v], as the trainer pushes them (its linear_kv_up_proj is never
+    quantized either: tests/megatron/test_spec.py); the engine reports exactly the table's quantized linears, which
+    the symmetry check compares, kv_b_proj not among them."""
+    from qurl_mcore.models.tiny import tiny_checkpoint
+    from qurl_mcore.precision import quantized_linears
+
+    out = run_traced(workers.mla_decode_weights, "H100-80GB")
+    assert out["is_cuda"] and out["sm"] == 90
+    for when in ("loaded", "pushed"):
+        assert set(out[when]) == {0, 1}  # the dense layer and the MoE one
+        for layer in out[when].values():
+            heads, nope, v, rank = layer["dims"]
+            assert layer["methods"] == {"q_b_proj": "QurlLinearMethod", "kv_b_proj": "UnquantizedLinearMethod",
+                                        "o_proj": "QurlLinearMethod"}
+            assert layer["kv_b"] == ("torch.bfloat16", (heads * (nope + v), rank))
+            assert layer["w_kc"] == ("torch.bfloat16", (heads, nope, rank), "cuda:0")
+            assert layer["w_vc"] == ("torch.bfloat16", (heads, rank, v), "cuda:0")
+    path = tiny_checkpoint("deepseek_v3")
+    reported = set(out["reported"])
+    assert reported == quantized_linears(path, "int8", "all", "rollout")  # what the symmetry check wants
+    assert {f"model.layers.{i}.self_attn.{n}" for i in (0, 1) for n in ("q_b_proj", "o_proj")} <= reported
+    assert not any("kv_b_proj" in n for n in reported)

@@ -101,3 +101,12 @@ def test_sglang_would_fuse_the_shared_expert_on_an_h100_and_a_quantized_engine_d
         disabled, fused = out[model]["bf16"]
         assert not disabled and fused >= 1, (model, out[model])
         assert out[model]["qurl_fp4_rc"] == (True, 0), (model, out[model])
+
+
+def test_a_recomputed_attention_runs_as_the_memory_efficient_kernel():
+    """Under full recompute the backward runs each layer's forward again on autograd's device thread; there too
+    a masked SDPA on a fake GPU runs as the memory-efficient kernel a GPU runs (O(s) bytes), not torch's math
+    path, whose [b, heads, s, s] fp32 scores a CPU build would otherwise count (GLM-4.5-Air's traced step: 53 GB
+    of them at 9216 tokens)."""
+    short, long = run_traced(workers.checkpointed_attention_peaks, [1024, 2048])
+    assert 1.8 * short < long < 2.2 * short  # linear in s (the math path: about 4×)

@@ -319,3 +319,101 @@ def shared_expert_fusion(gpu: str, checkpoints: dict[str, tuple[str, dict]]) -> 
                     layout = resolve_shared_experts_config(classes[model], hf, CONFIGS[method]() if method else None)
                 out[model][name] = (layout.fusion_disabled, layout.num_fused_shared_experts)
     return out
+
+
+def mla_decode_weights(gpu: str) -> dict:
+    """Defect 7 on a fake `gpu`: SGLang's own DeepseekV3ForCausalLM (the tiny checkpoint, TP 1) built with a
+    `qurl_int8` engine of scope "all", loaded, then pushed once as SGLang's loader runs a push (the plugin's
+    restore, the model's `load_weights`, which rebuilds MLA's decode weights `w_kc`/`w_vc` from kv_b_proj, and
+    the re-quantization), every tensor in bf16 as the trainer's export sends it. Returns,
+    per layer and after the load and after the push, the kv_b_proj's linear method, the dtypes and shapes of its
+    weight and of `w_kc`, `w_vc`, the linear methods of q_b_proj, kv_b_proj and o_proj, and the HF module names the
+    engine reported as quantized (what the symmetry check compares)."""
+    import os
+    import tempfile
+
+    from safetensors import safe_open
+
+    from qurl_mcore.models.tiny import tiny_checkpoint
+
+    path = str(tiny_checkpoint("deepseek_v3"))
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    fd, log = tempfile.mkstemp(suffix=".txt")
+    os.close(fd)
+    os.environ["QURL_QUANTIZED_LOG"] = log
+    options = {"scope": "all"}
+    with fake_cuda(gpu=gpu):
+        from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
+        from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.utils import common
+        from transformers import AutoConfig
+
+        from qurl_mcore.rollout import EngineConfig
+        from qurl_mcore.sglang.options import QurlOptions
+        from qurl_mcore.sglang.quant_config import CONFIGS
+
+        load_plugins()
+        engine = EngineConfig(path, "qurl_int8", options, device="cpu", dtype="bfloat16")
+        cuda = torch.device("cuda", 0)
+        out = {"is_cuda": common.is_cuda(), "sm": common.get_device_sm()}
+        context = create_context(ServerArgs(**engine.engine_kwargs()), role="scheduler",
+                                 ranks=SpawnRanks(world_rank=0, gpu_id=0))
+        with use_context(context):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="cuda:fake")
+            initialize_model_parallel()
+            with set_default_torch_dtype(torch.bfloat16), torch.device(cuda):  # as SGLang's loader builds it
+                model = DeepseekV3ForCausalLM(AutoConfig.from_pretrained(path),
+                                              quant_config=CONFIGS["qurl_int8"](QurlOptions.parse("qurl_int8", options)))
+
+            def weights():  # on the device: SGLang loads host tensors in threads, which the fake mode is not in
+                return [(name, torch.empty(shape, dtype=torch.bfloat16, device=cuda))
+                        for name, shape in shapes.items()]
+
+            def seen():
+                layers = {}
+                for i, layer in enumerate(model.model.layers):
+                    attn = layer.self_attn
+                    layers[i] = {"kv_b": (str(attn.kv_b_proj.weight.dtype), tuple(attn.kv_b_proj.weight.shape)),
+                                 "w_kc": (str(attn.w_kc.dtype), tuple(attn.w_kc.shape), str(attn.w_kc.device)),
+                                 "w_vc": (str(attn.w_vc.dtype), tuple(attn.w_vc.shape), str(attn.w_vc.device)),
+                                 "methods": {n: type(getattr(attn, n).quant_method).__name__
+                                             for n in ("q_b_proj", "kv_b_proj", "o_proj")},
+                                 "dims": (attn.num_local_heads, attn.qk_nope_head_dim, attn.v_head_dim,
+                                          attn.kv_lora_rank)}
+                return layers
+
+            model.load_weights(weights())  # the checkpoint
+            DefaultModelLoader.postprocess_weights(model, cuda)
+            out["loaded"] = seen()
+            DefaultModelLoader.restore_weights_before_loading(model, cuda)  # a push: begin_weight_update
+            model.load_weights(weights())  # update_weights_from_*
+            DefaultModelLoader.postprocess_weights(model, cuda)  # end_weight_update
+            out["pushed"] = seen()
+    out["reported"] = sorted(set(open(log).read().split()))
+    os.unlink(log)
+    return out
+
+
+def checkpointed_attention_peaks(lengths: list[int], heads: int = 32, head_dim: int = 128) -> list[int]:
+    """The CUDA bytes a masked `scaled_dot_product_attention` adds at its peak over forward and backward, run as
+    Megatron's full recompute runs a layer (a reentrant checkpoint: the backward, on autograd's device thread,
+    runs the forward again), for sequences of each of `lengths` tokens."""
+    import torch.utils.checkpoint as checkpoint
+
+    peaks = []
+    for s in lengths:
+        with fake_cuda() as trace:
+            q, k, v = (torch.empty(1, heads, s, head_dim, device="cuda", requires_grad=True) for _ in range(3))
+            mask = torch.ones(s, s, dtype=torch.bool, device="cuda").tril()[None, None]
+            base = trace.live_bytes
+            trace.reset_peak()
+            attention = lambda *qkv: torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=mask)  # noqa: E731
+            checkpoint.checkpoint(attention, q, k, v, use_reentrant=True).sum().backward()
+            peaks.append(trace.peak_bytes - base)
+    return peaks
