@@ -505,6 +505,7 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
     if model is None and gpu is not None:  # planning for a cluster from here: its checkpoints may not be here
         model = _model_card(cfg, out)
     r = cfg.rollout
+    laid_out = False
     out.summary.append(f"  precision   {precision.name} ({precision.kind}): {precision.summary}")
     default = " (the precision's default)" if cfg.scope == "auto" else ""
     out.summary.append(f"              scope {scope}{default}, format {fmt or 'none'}")
@@ -512,10 +513,12 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
         path, hf = model
         kind = f"MoE, {num_experts(hf)} experts" if num_experts(hf) else "dense"
         out.summary.insert(0, f"  model       {path} ({hf['model_type']}, {hf['num_hidden_layers']} layers, {kind})")
+        before = len(out.problems)
         _parallel_checks(cfg, hf, out)
-        if use_gpu:
+        laid_out = len(out.problems) == before  # else there is no layout to plan the memory of
+        if laid_out and use_gpu:
             _memory_plan(cfg, hf, out, gpu)
-        else:
+        elif laid_out:
             _cpu_step(cfg, hf, out)
         train = quantized_linears(hf, precision.name, scope, side="train")
         roll = quantized_linears(hf, precision.name, scope, side="rollout")
@@ -526,7 +529,7 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
     _smoothing_rules(cfg, None if model is None else model[1], out)
     model_dir = model[0] if model is not None and Path(model[0]).is_dir() else None
     longest = _prompt_rows(cfg, out, model_dir)
-    if model is not None and not use_gpu:
+    if model is not None and laid_out and not use_gpu:
         if cfg.data.task == "addition":
             longest = _longest_addition_prompt(cfg, model_dir)
         _cpu_memory(cfg, model[1], out, local, longest)
