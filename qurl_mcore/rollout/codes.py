@@ -7,8 +7,8 @@ unit becomes codes and scales (`quant.wire.encode_unit`, quantized once, with th
 else stays in full precision (embeddings, norms, routers, biases, the output layer, linears outside the scope).
 It holds a unit's members until the last of them arrives (a unit never spans more than two adjacent buckets in
 the trainer's export order). A bucket's codes and scales travel as views of one buffer (`transfer.packed`):
-one handle to pass to the engine instead of two or three per weight. It records each unit's digest, which `compare_digests` checks against the one the
-engine reports of what it installed.
+one handle to pass to the engine instead of two or three per weight. It records each unit's digest, which
+`compare_digests` checks against the one the engine reports of what it installed.
 
 What stays full precision in a code push of a quantized engine is exactly what the engine does not quantize.
 Where code pushes serve (engines of TP 1, tensor pushes, no MLA attention in scope) is `Config.push_mode`.
