@@ -375,6 +375,7 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
         if heads % tp or groups % tp:
             out.problems.append(f"{name}: {tp} must divide the model's {heads} attention heads and {groups} "
                                 f"key-value heads")
+    _block_shards(cfg, hf, out)
     if hf["num_hidden_layers"] % t.pp_size:
         out.problems.append(f"train.pp_size: {t.pp_size} must divide the model's {hf['num_hidden_layers']} layers")
     experts = num_experts(hf)
@@ -382,7 +383,6 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
         out.problems.append(f"train.ep_size: {t.ep_size} needs an MoE model; this one is dense, use 1")
     elif experts and experts % t.ep_size:
         out.problems.append(f"train.ep_size: {t.ep_size} must divide the model's {experts} experts")
-    _block_shards(cfg, hf, out)
     if t.routing_replay != "none" and not experts:
         out.problems.append(f"train.routing_replay: {t.routing_replay} replays MoE routing; this model is dense, "
                             "use none")
