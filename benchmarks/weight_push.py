@@ -1,7 +1,10 @@
 """Weight pushes of SmolLM2-135M-Instruct into real SGLang engines, per format, side by side in one run (CPU here;
 pass --device cuda on a GPU):
 
-  bf16     a BF16 push into a BF16 engine (the reference)
+  bf16     a BF16 push into a BF16 engine (the reference); its tensors are those of the previous push, already in
+           shared memory, so sending them copies nothing
+  bf16-new the same with new tensors each push, as a trainer's export makes them: sending copies them into
+           shared memory
   requant  a BF16 push into a quantized engine that keeps full-precision masters and re-quantizes them
            (`push: bf16`, re-quantizer `--requant`)
   codes    a code push (`push: codes`): the trainer quantizes each unit once (`qurl_mcore.rollout.codes`, with
@@ -9,10 +12,11 @@ pass --device cuda on a GPU):
            with no masters
 
 A push is the whole update session (begin_weight_update, update_weights_from_tensor per 512 MiB bucket,
-end_weight_update, the version check), median of `--repeats` after a warm-up push; `wire MiB` is what the
-buckets carry. `masters MiB` is what an engine holds beside its codes (the full-precision copy of every quantized
-weight), `RSS MiB` the resident memory of the engine's processes after the pushes (host memory; the weights of a
-GPU engine are in device memory instead, masters in pinned host memory). Scope "all": every linear quantized.
+end_weight_update, the version check), median of `--repeats` after a warm-up push; `trainer s` is the part of it
+that makes the buckets (a code push's quantization, digests and packing); `wire MiB` is what the buckets carry.
+`masters MiB` is what an engine holds beside its codes (the full-precision copy of every quantized weight),
+`RSS MiB` the resident memory of the engine's processes after the pushes (host memory; the weights of a GPU
+engine are in device memory instead, masters in pinned host memory). Scope "all": every linear quantized.
 
 Usage: python benchmarks/weight_push.py [--repeats 3] [--device cpu] [--formats int8 fp8_e4m3 nvfp4 mxfp4]
 """
@@ -28,8 +32,10 @@ PUSHES = ("requant", "codes")
 BUCKET = 512 << 20
 
 
-def measure(path: str, tensors: list, method: str | None, options: dict, device: str, repeats: int) -> dict:
-    """Median push seconds, wire bytes, masters bytes and engine RSS of one engine."""
+def measure(path: str, tensors: list, method: str | None, options: dict, device: str, repeats: int,
+            new: bool = False) -> dict:
+    """Median push seconds (and of them the trainer's), wire bytes, masters bytes and engine RSS of one engine;
+    `new`: push new copies of the tensors each time (made before the clock starts)."""
     import psutil
 
     from qurl_mcore.recipe import engine_recipe
@@ -44,19 +50,23 @@ def measure(path: str, tensors: list, method: str | None, options: dict, device:
     units = engine_units(path, recipe.groups) if recipe else {}
     codes = options.get("push") == "codes"
     with LocalEngine(config) as engine:
-        times, wire = [], 0
+        times, made, wire = [], [], 0
         for i in range(repeats + 1):  # the first push warms up
+            pushed = [(n, t.clone()) for n, t in tensors] if new else tensors
             start = time.perf_counter()
-            stream = buckets(tensors, BUCKET)
+            stream = buckets(pushed, BUCKET)
             if codes:
                 stream = CodePush(recipe.spec, units, quantizer=REQUANTS[options["requant"]]).buckets(stream)
             sent = [nt for bucket in stream for nt in bucket]
+            made.append(time.perf_counter() - start)
             engine.push_weights(sent, version=f"bench-{i}", bucket_bytes=BUCKET)
             times.append(time.perf_counter() - start)
             wire = sum(nbytes(t) for _, t in sent)
+            del pushed, sent
         rss = sum(psutil.Process(pid).memory_info().rss for pid in engine._processes)
     masters = 0 if codes or not method else sum(nbytes(t) for n, t in tensors if n in units)
-    return {"s": statistics.median(times[1:]), "wire": wire, "masters": masters, "rss": rss}
+    return {"s": statistics.median(times[1:]), "trainer": statistics.median(made[1:]), "wire": wire,
+            "masters": masters, "rss": rss}
 
 
 def main() -> None:
@@ -74,15 +84,15 @@ def main() -> None:
     path = str(hf_checkpoint())
     tensors = list(load_file(f"{path}/model.safetensors").items())
     mib = 1 << 20
-    print(f"{'push':8s} {'fmt':9s} {'push s':>7s} {'/ bf16':>7s} {'wire MiB':>9s} {'/ bf16':>7s} "
+    print(f"{'push':8s} {'fmt':9s} {'push s':>7s} {'/ bf16':>7s} {'trainer s':>9s} {'wire MiB':>9s} {'/ bf16':>7s} "
           f"{'masters MiB':>12s} {'RSS MiB':>8s}", flush=True)
     base = None
-    for push, fmt in [("bf16", "")] + [(push, fmt) for fmt in args.formats for push in PUSHES]:
+    for push, fmt in [("bf16", ""), ("bf16-new", "")] + [(push, fmt) for fmt in args.formats for push in PUSHES]:
         options = {"fmt": fmt, "scope": "all", "requant": args.requant,
                    "push": "codes" if push == "codes" else "bf16"} if fmt else {}
-        m = measure(path, tensors, FORMATS.get(fmt), options, args.device, args.repeats)
+        m = measure(path, tensors, FORMATS.get(fmt), options, args.device, args.repeats, new=push == "bf16-new")
         base = base or m
-        print(f"{push:8s} {fmt:9s} {m['s']:7.3f} {m['s'] / base['s']:7.2f} {m['wire'] / mib:9.1f} "
+        print(f"{push:8s} {fmt:9s} {m['s']:7.3f} {m['s'] / base['s']:7.2f} {m['trainer']:9.3f} {m['wire'] / mib:9.1f} "
               f"{m['wire'] / base['wire']:7.2f} {m['masters'] / mib:12.1f} {m['rss'] / mib:8.0f}", flush=True)
 
 

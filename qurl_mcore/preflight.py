@@ -27,7 +27,7 @@ from .config import Config
 from .heldout import eval_examples, greedy_repeats
 from .models import ARCHITECTURES, resolve_model_path
 from .placement import placement_of, unplaceable
-from .models.registry import hf_linears, num_experts, shape
+from .models.registry import hf_linears, num_experts, shape, slots
 from .precision import METHODS, PRECISIONS, SCOPES, get_precision, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
 from .runlock import in_use
@@ -414,6 +414,7 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
         if heads % tp or groups % tp:
             out.problems.append(f"{name}: {tp} must divide the model's {heads} attention heads and {groups} "
                                 f"key-value heads")
+    _block_shards(cfg, hf, out)
     if hf["num_hidden_layers"] % t.pp_size:
         out.problems.append(f"train.pp_size: {t.pp_size} must divide the model's {hf['num_hidden_layers']} layers")
     experts = num_experts(hf)
@@ -431,6 +432,30 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
         out.problems.append("train.routing_replay: r3 with train.recompute full and train.pp_size > 1 is not "
                             "supported; use recompute selective (or none), or pp_size 1")
 
+
+
+def _block_shards(cfg: Config, hf: dict, out: Preflight) -> None:
+    """An engine of TP > 1 quantizes each TP shard of a row-parallel linear (o_proj, down_proj, an expert's down)
+    on its own, so a block-scaled weight format needs every shard's input columns to be whole blocks: a block
+    that straddles two shards is two partial blocks in the engine and one whole block in the trainer."""
+    tp, engine = cfg.rollout.tp_size, cfg.recipe().engine
+    block = engine.format.block if engine is not None else None
+    if tp == 1 or not block:
+        return
+    widths: dict[int, str] = {}
+    for slot in slots(hf):
+        if slot.layout == "columns" and slot.quantizable and slot.group in engine.groups:
+            for name, dims in zip(slot.hf, slot.shapes(shape(hf))):
+                widths.setdefault(dims[-1], name.split(".")[-2])
+    heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    for width, name in sorted(widths.items()):
+        if width % (tp * block):
+            fits = max(n for n in range(1, tp) if n == 1 or (not heads % n and not groups % n
+                                                              and all(not w % (n * block) for w in widths)))
+            out.problems.append(f"rollout.tp_size: {tp} splits {name}'s {width} input columns into shards of "
+                                f"{width / tp:g}, not whole {engine.fmt} blocks of {block}: each engine shard "
+                                f"would quantize other blocks than the trainer; use rollout.tp_size={fits}")
+            return
 
 def _memory_plan(cfg: Config, hf: dict[str, Any], out: Preflight, gpu: str | None) -> None:
     """On GPUs: the run's bytes per GPU (`qurl plan`, qurl_mcore/sizing) on `gpu` (default: this machine's kind of

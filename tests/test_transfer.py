@@ -7,7 +7,7 @@ import socket
 import pytest
 import torch
 
-from qurl_mcore.transfer import buckets, comm_backend, dtype_name, free_port
+from qurl_mcore.transfer import PACK_ALIGN, buckets, comm_backend, dtype_name, free_port, packed
 
 
 def test_buckets_bound_size_keep_order_and_never_split():
@@ -36,6 +36,41 @@ def test_buckets_stream_one_bucket_at_a_time():
         seen.append(len(produced))
     assert seen == [3, 5, 6]  # bucket k is yielded once tensor 2k+2 (the first that does not fit) is made
 
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def test_packed_tensors_are_the_same_values_in_one_shared_buffer_sent_as_one_handle(monkeypatch):
+    """Every dtype a code push sends (0-dim included) keeps its name, dtype, shape and bytes, aligned in one
+    storage in shared memory; pickled for another process, the bucket passes one file descriptor, where its
+    tensors apart pass one each."""
+    import multiprocessing.reduction
+
+    import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [("codes", torch.randint(-127, 128, (5, 7), dtype=torch.int8, generator=gen)),
+               ("fp8", torch.randn(3, 5, generator=gen).to(torch.float8_e4m3fn)),
+               ("scale", torch.rand(5, 1, generator=gen)), ("global", torch.tensor(0.25)),
+               ("fp4", torch.randint(0, 256, (3, 9), dtype=torch.uint8, generator=gen)),
+               ("norm", torch.randn(11, generator=gen).to(torch.bfloat16))]
+    out = packed(tensors)
+    assert [n for n, _ in out] == [n for n, _ in tensors]
+    for (_, t), (_, p) in zip(tensors, out):
+        assert p.dtype == t.dtype and p.shape == t.shape and torch.equal(_bytes(p), _bytes(t))
+        assert p.is_contiguous() and p.storage_offset() * p.element_size() % PACK_ALIGN == 0
+    assert len({p.untyped_storage().data_ptr() for _, p in out}) == 1 and out[0][1].is_shared()
+    assert packed([]) == []
+
+    passed = []
+    dup = multiprocessing.reduction.DupFd
+    monkeypatch.setattr(multiprocessing.reduction, "DupFd", lambda fd: passed.append(fd) or dup(fd))
+    multiprocessing.reduction.ForkingPickler.dumps(out)
+    assert len(passed) == 1
+    multiprocessing.reduction.ForkingPickler.dumps([(n, t.clone()) for n, t in tensors])
+    assert len(passed) == 1 + len(tensors)
 
 def test_free_port_is_bindable_and_backend_follows_the_device():
     port = free_port()

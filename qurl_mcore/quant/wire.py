@@ -86,7 +86,9 @@ def digest(q: QTensor) -> str:
     for field in (q.data, q.scale, q.global_scale):
         if field is not None:
             flat = field.detach().contiguous().reshape(-1).view(torch.uint8)
-            words = torch.nn.functional.pad(flat, (0, -flat.numel() % 8)).view(torch.int64)
+            if flat.numel() % 8 or flat.storage_offset() % 8:  # a copy only where an int64 view cannot be
+                flat = torch.nn.functional.pad(flat, (0, -flat.numel() % 8))
+            words = flat.view(torch.int64)
             for start in range(0, words.numel(), _CHUNK):
                 w = words[start:start + _CHUNK]
                 total, weighted = torch.stack([w.sum(), (w * _positions(w.numel(), w.device)).sum()]).tolist()

@@ -6,8 +6,9 @@ experts. `CodePush` turns the BF16 export stream into the code push's stream, bu
 unit becomes codes and scales (`quant.wire.encode_unit`, quantized once, with the engine's recipe); everything
 else stays in full precision (embeddings, norms, routers, biases, the output layer, linears outside the scope).
 It holds a unit's members until the last of them arrives (a unit never spans more than two adjacent buckets in
-the trainer's export order). It records each unit's digest, which `compare_digests` checks against the one the
-engine reports of what it installed.
+the trainer's export order). A bucket's codes and scales travel as views of one buffer (`transfer.packed`):
+one handle to pass to the engine instead of two or three per weight. It records each unit's digest, which
+`compare_digests` checks against the one the engine reports of what it installed.
 
 What stays full precision in a code push of a quantized engine is exactly what the engine does not quantize.
 Where code pushes serve (engines of TP 1, tensor pushes, no MLA attention in scope) is `Config.push_mode`.
@@ -23,6 +24,7 @@ from qurl_mcore.models.registry import architecture, config_dict, slots
 from qurl_mcore.models.slots import config_experts, dense_layers
 from qurl_mcore.quant import QTensor, QuantLinearSpec, quantize_weight
 from qurl_mcore.quant.wire import NamedTensor, digest, encode_unit, has_global_scale, wire_specs
+from qurl_mcore.transfer import packed
 
 def engine_units(hf_config: Any, groups: frozenset[str]) -> dict[str, tuple[str, ...]]:
     """HF weight name -> its unit (the HF weight names the engine quantizes as one tensor, in its row order), for
@@ -59,6 +61,7 @@ class CodePush:
         pending: dict[tuple[str, ...], dict[str, Any]] = {}
         for bucket in stream:
             out: list[NamedTensor] = []
+            codes: list[NamedTensor] = []
             for name, w in bucket:
                 unit = self.units.get(name)
                 if unit is None:
@@ -73,12 +76,13 @@ class CodePush:
                     if self.verify:
                         self.digests[unit[0]] = digest(q)
                     if self.send:
-                        out += wire
+                        codes += wire
                     del pending[unit]
+            out += packed(codes)
             if out:
                 yield out
         if pending and self.send:
-            yield self._partial(pending)
+            yield packed(self._partial(pending))
 
     def _partial(self, pending: dict[tuple[str, ...], dict[str, Any]]) -> list[NamedTensor]:
         """The members of units pushed in part (a partial update): their rows alone, which the engine quantizes
