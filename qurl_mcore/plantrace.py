@@ -3,8 +3,9 @@
 
 Trainer: the rank of the fullest pipeline stage (the one `sizing.memory.trainer_bytes` plans) is built as
 `loop.trainer.PolicyTrainer` builds it, at the model's full size from its config.json or architecture card (no
-weights are read: a fake tensor has no values), and stepped twice on one micro-batch of
-`train.micro_batch_size` rows of `rollout.context_length` tokens on every data-parallel rank (an MoE's tokens
+weights are read: a fake tensor has no values), and stepped twice, each of its optimizer steps (two at most of
+`train.mini_batches`) on one micro-batch of `train.micro_batch_size` rows of `rollout.context_length` tokens on
+every data-parallel rank (`_step`; an MoE's tokens
 routed as a balanced router routes them: `fakecuda._Tracer`). Its peak is the most CUDA bytes alive at once over
 the build and the steps (forward, backward, Megatron's DDP reduce, the optimizer's update: a traced step never
 reads a loss or a norm, so the update is always taken; the first allocates the optimizer's states, which the
@@ -147,6 +148,8 @@ def _trainer_step(cfg: Config, hf: dict[str, Any], rank: int, world: int, gpu: s
         (Path(tmp) / "config.json").write_text(json.dumps(hf))
         cfg = copy.deepcopy(cfg)
         cfg.model.path = tmp
+        # an optimizer step's bytes do not depend on how many a batch takes: two show the second's (`_step`)
+        cfg.train.mini_batches = min(cfg.train.mini_batches, 2)
         megatron.load_hf_weights = lambda model, hf_dir: None  # no weights: a fake tensor holds no values
         with fake_cuda(devices=min(8, world), world_size=world, rank=rank, device=rank % 8, gpu=gpu) as trace:
 
@@ -208,12 +211,13 @@ def _uniform_pipeline_shapes() -> None:
 
 
 def _step(trainer, cfg: Config) -> None:
-    """One step on a micro-batch of `train.micro_batch_size` rows of `rollout.context_length` tokens per
-    data-parallel rank."""
+    """One step on `train.micro_batch_size` rows of `rollout.context_length` tokens per data-parallel rank and
+    mini-batch: each optimizer step's forward and backward holds a whole micro-batch, as in a run (fewer rows
+    would split a micro-batch among the mini-batches)."""
     from qurl_mcore.loop.batch import TrainBatch
 
     t = cfg.train
-    rows, width = t.micro_batch_size * t.dp_size, cfg.rollout.context_length
+    rows, width = t.micro_batch_size * t.mini_batches * t.dp_size, cfg.rollout.context_length
     ones = torch.ones(rows, width, dtype=torch.bool)
     batch = TrainBatch(torch.zeros(rows, width, dtype=torch.long), ones, ones.clone(), torch.zeros(rows, width),
                        torch.zeros(rows))
