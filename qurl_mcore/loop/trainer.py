@@ -723,10 +723,13 @@ def _refuse_non_finite(model: torch.nn.Module, source: str) -> None:
 @contextlib.contextmanager
 def _space_named(partial: Path):
     """Megatron's distributed save into step directory `partial`: a full disk (which it reports as a short
-    write, "unexpected pos") raised as `checkpoint.no_space`, with the partial directory removed."""
+    write, "unexpected pos", in torch's `CheckpointException`, a BaseException) raised as `checkpoint.no_space`,
+    with the partial directory removed."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
-    except Exception as err:
+    except (Exception, CheckpointException) as err:
         if not ckpt.out_of_space(err, partial):
             raise
         shutil.rmtree(partial, ignore_errors=True)  # every rank: whatever each of them wrote
