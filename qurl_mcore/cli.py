@@ -102,7 +102,9 @@ def _train(args: argparse.Namespace) -> int:
     print(f"qurl train: {result.steps_done}/{cfg.steps} steps; metrics {result.log_dir / 'metrics.jsonl'}"
           + (f"; report {result.report}" if result.report else ""))
     if result.stopped and result.steps_done < cfg.steps:
-        print(f"qurl train: stopped with a checkpoint; resume with: {again}", file=sys.stderr)
+        # a step still running when checkpoint.stop_grace_s ran out was abandoned: the last checkpoint is older
+        print(f"qurl train: stopped; resume from the last checkpoint in {cfg.checkpoint.dir} with: {again}",
+              file=sys.stderr)
         return EXIT_STOPPED
     return EXIT_FINISHED
 

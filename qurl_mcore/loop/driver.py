@@ -52,7 +52,7 @@ from .tracking import MetricsLog, warnings_to_file
 @dataclass
 class RunResult:
     steps_done: int  # the step the run reached (the next one to do)
-    stopped: bool  # by a signal, with a checkpoint written
+    stopped: bool  # by a signal: with a checkpoint, unless the step in progress outlasted checkpoint.stop_grace_s
     log_dir: Path
     report: Path | None
 
