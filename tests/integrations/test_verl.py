@@ -205,7 +205,7 @@ def patched_verl(patched_site) -> SimpleNamespace:
         yield patched_rollout(patched_site, partial(mp.setitem, sys.modules))
 
 
-def test_the_import_hook_patches_verl_as_qurl_patch_does(monkeypatch, patched_site):
+def test_the_import_hook_patches_verl_as_qurl_patch_does(monkeypatch, patched_site, request):
     """Importing qurl_mcore.integrations.verl_rollout puts a hook first on sys.meta_path that loads the modules
     the pinned set changes from the installed files with the set applied in memory: the text `qurl patch apply`
     writes, shown by `inspect` too; the venv's files stay as published. The hook refuses to come after one of
@@ -215,11 +215,13 @@ def test_the_import_hook_patches_verl_as_qurl_patch_does(monkeypatch, patched_si
 
     from qurl_mcore.patching import PatchSet
 
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the hook goes with this test
     for name in [*(ROLLOUT + n for n in PATCHED), HOOK_MODULE]:  # absent during the test, as before it after
         monkeypatch.setitem(sys.modules, name, None)
         monkeypatch.delitem(sys.modules, name)
     hooked = importlib.import_module(HOOK_MODULE)
+    # the hook goes with this test; a finder that a module imported meanwhile added stays (sgl_kernel's stand-in
+    # adds one for its submodules, and stays imported)
+    request.addfinalizer(lambda: sys.meta_path.remove(hooked.HOOK))
     assert sys.meta_path[0] is hooked.HOOK
     paths = {ROLLOUT + n: f"{(ROLLOUT + n).replace('.', '/')}.py" for n in PATCHED}
     installed = PatchSet.installed("verl")

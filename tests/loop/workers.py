@@ -1,6 +1,8 @@
 """Per-rank bodies of the trainer's multi-process tests (module-level, so that `spawn` imports them)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from qurl_mcore.config import load_config
@@ -51,11 +53,18 @@ def train_step(rank: int, world_size: int, overrides: list[str]) -> dict:
         trainer.close()
 
 
+def _status_bytes(field: str) -> int:
+    """A field of /proc/self/status (kB) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
 def step_memory(rank: int, tokens: int, rows: int) -> dict:
     """The rise of this process's peak resident memory over a first step of `rows` sequences of `tokens`
     tokens each (one micro-batch), and the plan's bytes for the same config at fp32 (`sizing.trainer_bytes`)."""
     import json
-    import resource
 
     from qurl_mcore.models import resolve_model_path
     from qurl_mcore.models.registry import shape
@@ -72,9 +81,12 @@ def step_memory(rank: int, tokens: int, rows: int) -> dict:
         samples = [Sample(torch.randint(3, 1000, (half,), generator=g).tolist(),
                           torch.randint(3, 1000, (half,), generator=g).tolist(), [-1.0] * half) for _ in range(rows)]
         step = collate(samples, torch.linspace(-1.0, 1.0, rows), pad_id=0)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        # the peak from here: Linux resets VmHWM to the current resident size on "5" (proc(5), clear_refs); the
+        # process's lifetime peak (ru_maxrss) may already hold the build's, which the step then never passes
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _status_bytes("VmRSS")
         trainer.step(step)
-        rise = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        rise = _status_bytes("VmHWM") - before
     finally:
         trainer.close()
     hf = json.loads((resolve_model_path(cfg.model.path) / "config.json").read_text())
