@@ -5,14 +5,13 @@ Trainer: the rank of the fullest pipeline stage (the one `sizing.memory.trainer_
 `loop.trainer.PolicyTrainer` builds it, at the model's full size from its config.json or architecture card (no
 weights are read: a fake tensor has no values), and stepped twice, each of its optimizer steps (two at most of
 `train.mini_batches`) on one micro-batch of `train.micro_batch_size` rows of `rollout.context_length` tokens on
-every data-parallel rank (`_step`; an MoE's tokens
-routed as a balanced router routes them: `fakecuda._Tracer`). Its peak is the most CUDA bytes alive at once over
-the build and the steps (forward, backward, Megatron's DDP reduce, the optimizer's update: a traced step never
-reads a loss or a norm, so the update is always taken; the first allocates the optimizer's states, which the
-second holds through its forward and backward, as every step of a run after its first), then a push's export:
-every HF tensor gathered from its shards, cast to rollout.dtype and bucketed as
-`loop.trainer.PolicyTrainer.weight_stream` gives it, and broadcast over the NCCL-like group as a disaggregated
-push sends it.
+every data-parallel rank (`_step`; an MoE's tokens routed as a balanced router routes them: `fakecuda._Tracer`).
+Its peak is the most CUDA bytes alive at once over the build and the steps (forward, backward, Megatron's DDP
+reduce, the optimizer's update: a traced step never reads a loss or a norm, so the update is always taken; the
+first allocates the optimizer's states, which the second holds through its forward and backward, as every step of a
+run after its first), then a push's export: every HF tensor gathered from its shards, cast to rollout.dtype and
+bucketed as `loop.trainer.PolicyTrainer.weight_stream` gives it, and broadcast over the NCCL-like group as a
+disaggregated push sends it.
 
 Each trace runs in a fresh process (`fakecuda.run_traced`). docs/plan.md says which terms of the plan the
 trace checks and which it cannot.

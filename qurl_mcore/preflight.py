@@ -433,7 +433,6 @@ def _parallel_checks(cfg: Config, hf: dict, out: Preflight) -> None:
                             "supported; use recompute selective (or none), or pp_size 1")
 
 
-
 def _block_shards(cfg: Config, hf: dict, out: Preflight) -> None:
     """An engine of TP > 1 quantizes each TP shard of a row-parallel linear (o_proj, down_proj, an expert's down)
     on its own, so a block-scaled weight format needs every shard's input columns to be whole blocks: a block
@@ -456,6 +455,7 @@ def _block_shards(cfg: Config, hf: dict, out: Preflight) -> None:
                                 f"{width / tp:g}, not whole {engine.fmt} blocks of {block}: each engine shard "
                                 f"would quantize other blocks than the trainer; use rollout.tp_size={fits}")
             return
+
 
 def _memory_plan(cfg: Config, hf: dict[str, Any], out: Preflight, gpu: str | None) -> None:
     """On GPUs: the run's bytes per GPU (`qurl plan`, qurl_mcore/sizing) on `gpu` (default: this machine's kind of

@@ -46,7 +46,6 @@ def buckets(named_tensors: Iterable[NamedTensor], max_bytes: int) -> Iterator[li
         yield bucket
 
 
-
 #: byte alignment of each tensor in a `packed` buffer (every dtype's element size divides it)
 PACK_ALIGN = 64
 
@@ -75,6 +74,7 @@ def packed(named_tensors: list[NamedTensor]) -> list[NamedTensor]:
         view = buffer[start:start + nbytes(t)].view(t.dtype).view(t.shape)
         out.append((name, view.copy_(t)))
     return out
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that was free a moment ago."""

@@ -264,7 +264,6 @@ def test_cross_field_numbers(tmp_path):
     assert "train.tp_size: 3 must divide the model's 4 attention heads" in text
 
 
-
 def test_a_block_format_refuses_an_engine_tp_whose_shards_cut_its_blocks(tmp_path):
     """An engine's TP shard of a row-parallel linear quantizes on its own, so its input columns must be whole
     blocks: the experts' 64 down columns in 4 shards of 16 are half an MXFP4 block (32) and whole NVFP4 ones
@@ -283,6 +282,7 @@ def test_a_block_format_refuses_an_engine_tp_whose_shards_cut_its_blocks(tmp_pat
         _problems(tmp_path, *run, "fp4_format=mxfp4")
     assert "input columns" not in _problems(tmp_path, *run, "fp4_format=nvfp4")
     assert "input columns" not in _problems(tmp_path, *run[:2], "rollout.tp_size=2", "fp4_format=mxfp4")
+
 
 def test_routing_replay_needs_an_moe_and_a_schedule_that_keeps_its_targets(tmp_path):
     assert "train.routing_replay: r3 replays MoE routing; this model is dense" in _problems(

@@ -37,7 +37,6 @@ def test_buckets_stream_one_bucket_at_a_time():
     assert seen == [3, 5, 6]  # bucket k is yielded once tensor 2k+2 (the first that does not fit) is made
 
 
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
@@ -71,6 +70,7 @@ def test_packed_tensors_are_the_same_values_in_one_shared_buffer_sent_as_one_han
     assert len(passed) == 1
     multiprocessing.reduction.ForkingPickler.dumps([(n, t.clone()) for n, t in tensors])
     assert len(passed) == 1 + len(tensors)
+
 
 def test_free_port_is_bindable_and_backend_follows_the_device():
     port = free_port()

@@ -26,6 +26,7 @@ from qurl_mcore.quant import QTensor, QuantLinearSpec, quantize_weight
 from qurl_mcore.quant.wire import NamedTensor, digest, encode_unit, has_global_scale, wire_specs
 from qurl_mcore.transfer import packed
 
+
 def engine_units(hf_config: Any, groups: frozenset[str]) -> dict[str, tuple[str, ...]]:
     """HF weight name -> its unit (the HF weight names the engine quantizes as one tensor, in its row order), for
     every weight of the linear `groups` an engine quantizes (`EngineRecipe.groups`)."""

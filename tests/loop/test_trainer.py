@@ -180,7 +180,6 @@ def test_the_training_forward_is_pi_prox():
         trainer.close()
 
 
-
 class _RecordingEngine(RolloutEngine):
     """The engine side of a tensor push, in process: it keeps only weak references to what it receives, and
     notes, whenever a bucket arrives, how many tensors of earlier buckets are still alive somewhere."""
