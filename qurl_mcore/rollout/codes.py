@@ -15,6 +15,7 @@ Where code pushes serve (engines of TP 1, tensor pushes, no MLA attention in sco
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -79,40 +80,30 @@ class CodePush:
             for unit in whole:
                 del pending[unit]
             codes: list[NamedTensor] = []
-            for unit, (wire, unit_digest) in zip(whole, self._encode(members)):
-                if unit_digest is not None:
-                    self.digests[unit[0]] = unit_digest
-                if self.send:
-                    codes += wire
-            out += packed(codes)
+            with _ops_on_one_thread() as threads:
+                for unit, (wire, unit_digest) in zip(whole, self._encode(members, threads)):
+                    if unit_digest is not None:
+                        self.digests[unit[0]] = unit_digest
+                    if self.send:
+                        codes += wire
+                out += packed(codes)
             if out:
                 yield out
         if pending and self.send:
             yield packed(self._partial(pending))
 
-    def _encode(self, units: list[list[NamedTensor]]) -> list[tuple[list[NamedTensor], str | None]]:
-        """(wire tensors, digest or None) of each unit of a bucket (`encode_unit`). On the host the units quantize
-        side by side, one per thread, each op of theirs on one thread: eager quantization is dozens of small
-        passes per unit, and with torch's own threads each pass ends on a barrier that waits for the slowest
-        thread, which on a shared machine is often descheduled (measured: an NVFP4 push's quantization 5-9x
-        slower in wall time, and 3-6x in CPU time spent spinning, than on one thread). The compiled quantizer
-        stays on the calling thread (its compilation is not thread-safe) and on one thread per op."""
+    def _encode(self, units: list[list[NamedTensor]], threads: int) -> list[tuple[list[NamedTensor], str | None]]:
+        """(wire tensors, digest or None) of each unit of a bucket (`encode_unit`), on the host side by side on
+        `threads` threads (`_ops_on_one_thread`). The compiled quantizer stays on the calling thread: its
+        compilation is not thread-safe."""
         def encode(members: list[NamedTensor]) -> tuple[list[NamedTensor], str | None]:
             wire, q = encode_unit(members, self.spec, self.quantizer)
             return wire, digest(q) if self.verify else None
 
-        if not units or units[0][0][1].device.type != "cpu":
+        if threads == 1 or not units or units[0][0][1].device.type != "cpu" or self.quantizer is not quantize_weight:
             return [encode(members) for members in units]
-        threads = torch.get_num_threads()
-        workers = threads if self.quantizer is quantize_weight else 1
-        torch.set_num_threads(1)
-        try:
-            if workers == 1:
-                return [encode(members) for members in units]
-            with ThreadPoolExecutor(workers, thread_name_prefix="qurl-code-push") as pool:
-                return list(pool.map(encode, units))
-        finally:
-            torch.set_num_threads(threads)
+        with ThreadPoolExecutor(threads, thread_name_prefix="qurl-code-push") as pool:
+            return list(pool.map(encode, units))
 
     def _partial(self, pending: dict[tuple[str, ...], dict[str, Any]]) -> list[NamedTensor]:
         """The members of units pushed in part (a partial update): their rows alone, which the engine quantizes
@@ -129,6 +120,22 @@ class CodePush:
             for name, w in held.items():
                 out += encode_unit([(name, w)], self.spec, self.quantizer)[0]
         return out
+
+
+@contextlib.contextmanager
+def _ops_on_one_thread() -> Iterator[int]:
+    """Within: every torch op on the host runs on one thread; yields the threads torch had, for the caller to
+    run that many units side by side. Eager quantization is dozens of small passes per unit, and with torch's
+    own threads each pass ends on a barrier that waits for the slowest thread, which on a shared machine is
+    often descheduled: at load 20 on 2 cores an NVFP4 push's quantization took 5-10x the wall time, and 3-6x
+    the CPU time (spinning), that it takes on one thread per unit; so did the copy into the shared buffer
+    (`packed`), whose first touch of each page faults."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(threads)
 
 
 def push_specs(shapes: dict[str, list[int]], spec: QuantLinearSpec,
