@@ -140,13 +140,15 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 def _e2m1_encode_by_midpoints(x: torch.Tensor) -> torch.Tensor:
     """code = #{midpoints below |x|}, where a midpoint after an odd code counts when |x| reaches it (its tie
-    goes up to the even code) and one after an even code only when |x| passes it (its tie stays down)."""
+    goes up to the even code) and one after an even code only when |x| passes it (its tie stays down). A
+    comparison's bools are read as the uint8 0 or 1 they are stored as: adding them as bools would copy each
+    into a uint8 tensor first."""
     mag = x.abs()
-    code = (x < 0).to(torch.uint8) << 3
+    code = (x < 0).view(torch.uint8) << 3
     for m in _E2M1_TIES_DOWN:
-        code += mag > m
+        code += (mag > m).view(torch.uint8)
     for m in _E2M1_TIES_UP:
-        code += mag >= m
+        code += (mag >= m).view(torch.uint8)
     return code
 
 
