@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from qurl_mcore.precision import FP4_FORMATS, PRECISIONS, SCOPES, get_precision, select
+from qurl_mcore.precision import FP4_FORMATS, PRECISIONS, SCOPES, get_precision, select, uaq_scope
 from qurl_mcore.rl import AGGREGATIONS, KL_ESTIMATORS, LOSSES
 from qurl_mcore.tasks import DOTTED, REWARDS
 
@@ -240,6 +240,11 @@ class Config:
         """(precision row, scope, format) with the defaults filled in (`qurl_mcore.precision.select`)."""
         p = get_precision(self.precision)
         return select(self.precision, self.scope, self.fp4_format if self.fp4_format in p.formats else None)
+
+    def uaq_scope(self) -> str | None:
+        """The scope UAQ rescales (`qurl_mcore.precision.uaq_scope`), None with UAQ off; ValueError where the
+        precision and scope take no UAQ (`qurl train --check` names it first)."""
+        return uaq_scope(self.precision, self.scope) if self.uaq.enabled else None
 
     def recipe(self, te_available: bool | None = None):
         """The `qurl_mcore.recipe.Recipe` of precision, scope and FP4 format (it imports torch, which the schema

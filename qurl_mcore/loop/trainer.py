@@ -126,7 +126,7 @@ class PolicyTrainer:
         if cfg.uaq.enabled:
             # training runs in the rescaled parameterisation, so every update is s times larger relative to
             # the rollout's quantization step (QuRL §4.3); the function computed is unchanged
-            apply_uaq(self.model, cfg.uaq.scale)
+            apply_uaq(self.model, cfg.uaq.scale, cfg.uaq_scope())
         from qurl_mcore.megatron.replay import RoutingTaps
         self.moe = num_experts(self.hf) > 0
         self.taps = RoutingTaps(self.model)  # none in a dense model (or a pipeline stage without MoE layers)
@@ -608,7 +608,8 @@ class PolicyTrainer:
         from qurl_mcore.megatron.export import write_hf_checkpoint
 
         out = write_hf_checkpoint(self.model, self.hf_dir, out_dir,
-                                  uaq_scale=self.cfg.uaq.scale if self.cfg.uaq.enabled else None)
+                                  uaq_scale=self.cfg.uaq.scale if self.cfg.uaq.enabled else None,
+                                  uaq_scope=self.cfg.uaq_scope() or "all")
         return None if out is None else str(out)
 
     def load_checkpoint(self, path: str) -> None:

@@ -13,19 +13,20 @@ import torch
 
 from qurl_mcore.models.registry import megatron_slot
 from qurl_mcore.models.slots import Slot
-from qurl_mcore.uaq import PER_HEAD_ROLES, UAQ_EXPONENTS, scale_per_head, update_capture_ratio
+from qurl_mcore.uaq import PER_HEAD_ROLES, rescales, scale_per_head, uaq_exponent, update_capture_ratio
 
 from .spec import linear_group
 
 
-def _scale(t: torch.Tensor, slot: Slot, config, s: float) -> None:
-    """Multiply this rank's shard `t` of `slot`'s parameter by s**k of each HF tensor's role, in the slot's
+def _scale(t: torch.Tensor, slot: Slot, config, s: float, scope: str) -> None:
+    """Multiply this rank's shard `t` of `slot`'s parameter by s**k of each HF tensor's role over UAQ scope `scope`
+    (`qurl_mcore.uaq.uaq_exponent`), in the slot's
     layout: whole rows of each local query group [q heads, k, v] (qkv), the halves [gate; up] (gate_up), each
     head's parts (MLA's [k_nope; v]), or the whole tensor."""
     if slot.uaq[0] in PER_HEAD_ROLES:
-        t.copy_(scale_per_head(t, slot.uaq[0], (config.qk_head_dim, config.v_head_dim), s))
+        t.copy_(scale_per_head(t, slot.uaq[0], (config.qk_head_dim, config.v_head_dim), s, scope))
         return
-    factors = [s ** UAQ_EXPONENTS[role] for role in slot.uaq]
+    factors = [s ** uaq_exponent(role, scope) for role in slot.uaq]
     if slot.layout == "qkv":
         q_per_group = config.num_attention_heads // config.num_query_groups
         groups = t.view(-1, q_per_group + 2, config.kv_channels, *t.shape[1:])
@@ -39,10 +40,11 @@ def _scale(t: torch.Tensor, slot: Slot, config, s: float) -> None:
         t.mul_(f)
 
 
-def apply_uaq(model: torch.nn.Module, s: float = 1.5) -> list[str]:
-    """Rescale `model` in place so that it computes the same function with every quantized linear's weight
-    divided by s where exact (see `qurl_mcore.uaq`); returns the names of the parameters changed.
-    Needs SwiGLU MLPs and no bias on linear_proj/fc1/fc2 (every architecture of `qurl_mcore.models`)."""
+def apply_uaq(model: torch.nn.Module, s: float = 1.5, scope: str = "all") -> list[str]:
+    """Rescale `model` in place so that it computes the same function with the weight of every quantized linear
+    of UAQ scope `scope` divided by s where exact (see `qurl_mcore.uaq`; "experts": the MLP block only); returns
+    the names of the parameters changed. Needs SwiGLU MLPs and no bias on linear_proj/fc1/fc2 (every
+    architecture of `qurl_mcore.models`)."""
     config = model.config
     if not config.gated_linear_unit or config.add_bias_linear:
         raise NotImplementedError("UAQ here needs a gated MLP (SwiGLU) and add_bias_linear=False")
@@ -52,8 +54,8 @@ def apply_uaq(model: torch.nn.Module, s: float = 1.5) -> list[str]:
     with torch.no_grad():
         for name, param in model.named_parameters():
             slot = megatron_slot(name)
-            if slot is not None and slot.uaq:
-                _scale(param.data, slot, config, s)
+            if slot is not None and rescales(slot.uaq, scope):
+                _scale(param.data, slot, config, s, scope)
                 changed.append(name)
     return changed
 
