@@ -76,10 +76,13 @@ def update_capture(
     fmts: Iterable[str] = ("int8", "fp8_e4m3"),
     granularity: str = "channel",
     make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    uaq_scope: str = "all",
+    select: Callable[[str], bool] | None = None,
 ) -> dict[float, dict[str, float]]:
-    """{s: {fmt: update capture ratio}}: for each s, start from `model`'s current weights, apply UAQ(s)
-    (s = 1 is no UAQ), take one optimizer step on `loss_fn(model)` (default Adam, lr 1e-5), and measure the
-    share of quantized-weight entries whose quantized value changed. `model` is restored afterwards."""
+    """{s: {fmt: update capture ratio}}: for each s, start from `model`'s current weights, apply UAQ(s) over
+    `uaq_scope` (s = 1 is no UAQ), take one optimizer step on `loss_fn(model)` (default Adam, lr 1e-5), and
+    measure the share of the entries of the weights `select` names (default: every quantized linear's,
+    `quantized_weights`) whose quantized value changed. `model` is restored afterwards."""
     make_optimizer = make_optimizer or (lambda params: torch.optim.Adam(params, lr=1e-5))
     original = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     fmts = tuple(fmts)
@@ -87,13 +90,13 @@ def update_capture(
     try:
         for s in scales:
             model.load_state_dict(original, strict=False)
-            apply_uaq(model, s)
-            before = quantized_weights(model)
+            apply_uaq(model, s, uaq_scope)
+            before = quantized_weights(model, select)
             optimizer = make_optimizer(model.parameters())
             optimizer.zero_grad()
             loss_fn(model).backward()
             optimizer.step()
-            after = quantized_weights(model)
+            after = quantized_weights(model, select)
             result[s] = {fmt: update_capture_ratio(before, after, fmt, granularity) for fmt in fmts}
     finally:
         model.load_state_dict(original, strict=False)

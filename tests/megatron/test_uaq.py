@@ -244,3 +244,20 @@ def test_uaq_scopes_name_the_precision_scopes_and_roles_of_the_table():
     assert uaq_exponent("router", "experts") == -1 and uaq_exponent(None, "all") == 0
     with pytest.raises(ValueError, match="unknown UAQ scope 'attention'"):
         uaq_exponent("q", "attention")
+
+
+def test_uaq_on_the_experts_raises_their_nvfp4_update_capture(megatron_ws1):
+    """One Adam step (lr 1e-5) after UAQ over "experts": the share of the routed experts' NVFP4 codes that change
+    grows with s, and by less than s (Adam's step does not grow with the gradient; up rows stay at ×1)."""
+    path = tiny_checkpoint("qwen3_moe")
+    model = build_gpt(path)
+    load_hf_weights(model, path)
+    ids = random_ids(4, 32, seed=1)
+    ratios = update_capture(model, lambda m: -token_logprobs(m, ids, grad=True).logprobs.sum(),
+                            scales=(1.0, 1.5, 2.0), fmts=("nvfp4",), granularity="block", uaq_scope="experts",
+                            select=lambda name: ".mlp.experts." in name)
+    base = ratios[1.0]["nvfp4"]
+    factors = {s: ratios[s]["nvfp4"] / base for s in (1.5, 2.0)}
+    print(f"nvfp4 experts: capture {base:.4f}, UAQ factor s=1.5: {factors[1.5]:.2f}, s=2: {factors[2.0]:.2f}")
+    assert 0 < base < 0.5
+    assert 1.1 < factors[1.5] < factors[2.0] < 2.0
