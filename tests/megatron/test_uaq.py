@@ -261,3 +261,26 @@ def test_uaq_on_the_experts_raises_their_nvfp4_update_capture(megatron_ws1):
     print(f"nvfp4 experts: capture {base:.4f}, UAQ factor s=1.5: {factors[1.5]:.2f}, s=2: {factors[2.0]:.2f}")
     assert 0 < base < 0.5
     assert 1.1 < factors[1.5] < factors[2.0] < 2.0
+
+
+def test_qurl_export_unscales_an_hf_checkpoint_scaled_on_the_experts(tmp_path):
+    """An HF checkpoint UAQ-scaled over "experts" (as slime's hook leaves an FP4 run's `--save-hf`) comes back
+    with `qurl export DIR OUT --uaq-scale s --uaq-scope experts`: the original tensors to fp32 rounding, and the
+    attention's as they were, bitwise, at every step."""
+    from safetensors.torch import load_file, save_file
+
+    from qurl_mcore.cli import main
+    from qurl_mcore.megatron.export import unscale_hf_checkpoint
+
+    path = tmp_path / "fp32"
+    shutil.copytree(tiny_checkpoint("qwen2_moe"), path)
+    for f in path.glob("*.safetensors"):
+        save_file({k: v.float() for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    scaled = unscale_hf_checkpoint(path, tmp_path / "scaled", 1 / 1.5, "experts")
+    assert main(["export", str(scaled), str(tmp_path / "back"), "--uaq-scale", "1.5", "--uaq-scope", "experts"]) == 0
+    (original, rescaled, back) = ({k: v for f in sorted(p.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+                                  for p in (path, scaled, tmp_path / "back"))
+    for name, tensor in original.items():
+        torch.testing.assert_close(back[name], tensor, rtol=1e-6, atol=0, msg=name)
+        assert torch.equal(rescaled[name], tensor) == (".mlp." not in name and "post_attention_layernorm" not in name
+                                                       or "up_proj" in name), name
