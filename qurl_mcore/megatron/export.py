@@ -118,7 +118,8 @@ def _commit(partial: Path, out: Path) -> Path:
 
 
 def write_hf_checkpoint(model, source_dir: str | Path, out_dir: str | Path, *, uaq_scale: float | None = None,
-                        uaq_scope: str = "all", dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 2 << 30) -> Path | None:
+                        uaq_scope: str = "all", dtype: torch.dtype = torch.bfloat16,
+                        bucket_bytes: int = 2 << 30) -> Path | None:
     """Write `model` (this rank's shards; every rank calls this) as an HF checkpoint in `out_dir`, with the
     config and tokenizer of `source_dir`, the checkpoint it was loaded from. `uaq_scale`: the s the model is
     UAQ-scaled by over `uaq_scope`, undone on export. Returns `out_dir` on rank 0, None on the others."""
@@ -149,8 +150,7 @@ def write_hf_checkpoint(model, source_dir: str | Path, out_dir: str | Path, *, u
 
 def unscale_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, uaq_scale: float, scope: str = "all") -> Path:
     """Rewrite `hf_dir`, an HF checkpoint in the UAQ parameterisation with factor s = `uaq_scale` over UAQ scope
-    `scope`, into
-    `out_dir` in the model's usual one: each tensor times s^-k, k its role's exponent
+    `scope`, into `out_dir` in the model's usual one: each tensor times s^-k, k its role's exponent
     (`qurl_mcore.uaq.uaq_scale_hf` with 1/s), computed in fp32 and stored in the tensor's own dtype. One
     safetensors file at a time; every other file is copied; `out_dir` appears whole or not at all."""
     src, out = Path(hf_dir), Path(out_dir)

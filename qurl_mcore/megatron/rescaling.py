@@ -20,9 +20,8 @@ from .spec import linear_group
 
 def _scale(t: torch.Tensor, slot: Slot, config, s: float, scope: str) -> None:
     """Multiply this rank's shard `t` of `slot`'s parameter by s**k of each HF tensor's role over UAQ scope `scope`
-    (`qurl_mcore.uaq.uaq_exponent`), in the slot's
-    layout: whole rows of each local query group [q heads, k, v] (qkv), the halves [gate; up] (gate_up), each
-    head's parts (MLA's [k_nope; v]), or the whole tensor."""
+    (`qurl_mcore.uaq.uaq_exponent`), in the slot's layout: whole rows of each local query group [q heads, k, v]
+    (qkv), the halves [gate; up] (gate_up), each head's parts (MLA's [k_nope; v]), or the whole tensor."""
     if slot.uaq[0] in PER_HEAD_ROLES:
         t.copy_(scale_per_head(t, slot.uaq[0], (config.qk_head_dim, config.v_head_dim), s, scope))
         return
