@@ -284,3 +284,17 @@ def test_qurl_export_unscales_an_hf_checkpoint_scaled_on_the_experts(tmp_path):
         torch.testing.assert_close(back[name], tensor, rtol=1e-6, atol=0, msg=name)
         assert torch.equal(rescaled[name], tensor) == (".mlp." not in name and "post_attention_layernorm" not in name
                                                        or "up_proj" in name), name
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_uaq_on_the_experts_with_a_power_of_two_is_exact_in_bf16(arch, megatron_ws1):
+    """A bf16 model: with s = 2 every product γ·s, W/s is exact in binary floating point, so the folded model
+    gives the same log-probs and routes, bit for bit (s = 1.5 rounds γ·s and W_r/s: docs/megatron.md)."""
+    path = tiny_checkpoint(arch)
+    model = build_gpt(path, dtype=torch.bfloat16)
+    load_hf_weights(model, path)
+    ids = random_ids(4, 32)
+    before, routes = _routed(model, ids)
+    apply_uaq(model, 2.0, "experts")
+    after, routes_after = _routed(model, ids)
+    assert torch.equal(after, before) and torch.equal(routes_after, routes)
