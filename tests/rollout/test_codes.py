@@ -224,3 +224,35 @@ def test_a_session_loads_codes_into_the_storage_that_serves_and_leaves_nothing_b
     assert torch.equal(stacked.data[1], fused.data) and torch.equal(stacked.data[0], experts[0].data)
     assert torch.equal(stacked.scale[1].view(torch.uint8), fused.scale.view(torch.uint8))
     assert torch.equal(stacked.global_scale[1], fused.global_scale)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
+def test_the_expert_loader_takes_its_expert_tp_ranks_rows_and_columns(fmt):
+    """Expert TP 2, rank 1: the loader writes Q(rank 1's half of gate; of up) into w13 and Q(rank 1's half of
+    down's columns) into w2, as SGLang's FusedMoE narrows the full-precision experts, global scales included."""
+    from qurl_mcore.sglang import weights
+    from qurl_mcore.sglang.moe import expert_rows_loader
+
+    spec = SPECS[fmt]
+    gen = torch.Generator().manual_seed(2)
+    gate, up, down = (torch.randn(rows, cols, generator=gen) for rows, cols in ((8, 64), (8, 64), (64, 16)))
+    layer = torch.nn.Module()
+    layer._map_global_expert_id_to_local_expert_id = lambda e: e
+    layer.moe_tp_rank, layer.moe_tp_size = 1, 2
+    for name, members, split in (("w13_weight", [("gate", gate), ("up", up)], ROWS),
+                                 ("w2_weight", [("down", down)], COLUMNS)):
+        fused = torch.cat([w.chunk(2, split)[1] for _, w in members])
+        mine = quantize_weight(fused, spec)
+        stacked, _ = weights.stack([quantize_weight(torch.randn(fused.shape, generator=gen), spec)])
+        load = expert_rows_loader(layer, name)
+        weights.attach_codes(layer, name, stacked, load, load)
+        wire = dict(encode_unit(members, spec, split=split, shards=2)[0])
+        for (member, _), shard_id in zip(members, ("w1", "w3") if split == ROWS else ("w2",)):
+            for suffix in ("", SCALE, GLOBAL_SCALE) if fmt == "nvfp4" else ("", SCALE):
+                param = getattr(layer, name + suffix)
+                param.weight_loader(param, wire[member + suffix], name, shard_id, expert_id=0)
+        weights.detach_codes(layer)
+        assert torch.equal(stacked.data[0].view(torch.uint8), mine.data.view(torch.uint8)), name
+        assert torch.equal(stacked.scale[0].view(torch.uint8), mine.scale.view(torch.uint8)), name
+        if fmt == "nvfp4":
+            assert torch.equal(stacked.global_scale[0], mine.global_scale), name
