@@ -497,7 +497,8 @@ class PolicyTrainer:
         if options is None or not (options.codes or self.cfg.rollout.verify_push):
             return None
         if self._units is None:
-            self._units = engine_units(self.hf, options.recipe.groups)
+            engine = self.engines[0]
+            self._units = engine_units(self.hf, options.recipe.groups, engine.tp_size, engine.ep_size)
         return CodePush(options.recipe.spec, self._units, send=options.codes, quantizer=REQUANTS[options.requant],
                         verify=self.cfg.rollout.verify_push)
 

@@ -320,7 +320,7 @@ def engine_bytes(s: Shape, cfg: Config, gpu: GPU, master: str = "host", kv_token
     `precision` None: the config's; "bf16" sizes the same engine unquantized. Engines that take code pushes
     (`Config.push_mode`) keep no masters: `master` is then "none"."""
     tp = cfg.rollout.tp_size
-    master = "none" if cfg.push_mode(s.mla) == "codes" else master
+    master = "none" if cfg.push_mode(s) == "codes" else master
     row, scope, fmt = cfg.resolved_precision()
     w = engine_weights(s, precision or row.name, scope, fmt, cfg.rollout.dtype, tp)
     reserve, graphs = sglang_reserve(gpu, tp)

@@ -23,7 +23,7 @@ def push_bytes(s: Shape, cfg: Config) -> dict[str, Any]:
     buckets of at most rollout.push_bucket_mb MiB (a larger tensor travels alone: `transfer.buckets`)."""
     b, limit = _DTYPE_BYTES[cfg.rollout.dtype], cfg.rollout.push_bucket_mb << 20
     row, scope, fmt = cfg.resolved_precision()
-    codes = _quantized(s, row.name, scope, "rollout") if cfg.push_mode(s.mla) == "codes" else frozenset()
+    codes = _quantized(s, row.name, scope, "rollout") if cfg.push_mode(s) == "codes" else frozenset()
     buckets, size, largest, total = 0, 0, 0, 0
     for x in hf_tensors(s, cfg.train.pp_size, cfg.train.ep_size):
         n = FORMATS[fmt].weight_bytes(*x.shape) if x.name in codes else x.numel * b
