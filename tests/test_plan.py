@@ -17,6 +17,7 @@ from qurl_mcore.models.cards import CARDS, card
 from qurl_mcore.models.registry import hf_linears, shape
 from qurl_mcore.models.slots import LINEAR_GROUPS
 from qurl_mcore.quant.formats import FORMATS
+from qurl_mcore.rollout.codes import CodePush, engine_units
 from qurl_mcore.sizing import (
     activation_bytes,
     batch_bytes,
@@ -93,6 +94,8 @@ def test_cards_by_path_and_instruct_suffix():
 # ---- the trainer and the push, measured on a real SmolLM2 trainer (fp32 on CPU) ----------------------------
 
 BUCKET_MB = 16
+#: the precisions whose code push the plan is checked against (8-bit and FP4)
+CODE_PUSHES = ("int8", "fp4")
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +132,22 @@ def smollm2_trainer():
             for value in state.values():
                 if torch.is_tensor(value):
                     add(value)
-        exported = [[(n, t.numel() * t.element_size()) for n, t in bucket] for bucket in
-                    export_hf_weights(trainer.model, trainer.hf, bucket_bytes=BUCKET_MB << 20, dtype=torch.bfloat16)]
-        yield cfg, sum(p.numel() for p in params), sum(storages.values()), exported
+        def export():
+            return export_hf_weights(trainer.model, trainer.hf, bucket_bytes=BUCKET_MB << 20, dtype=torch.bfloat16)
+
+        exported = [[(n, t.numel() * t.element_size()) for n, t in bucket] for bucket in export()]
+        codes = {}  # precision -> what its code push sends the engine, tensor by tensor (the client re-buckets)
+        for precision in CODE_PUSHES:
+            engine = load_config(None, [f"precision={precision}"]).recipe().engine
+            push = CodePush(engine.spec, engine_units(trainer.hf, engine.groups))
+            codes[precision] = [(n, t.nbytes) for bucket in push.buckets(export()) for n, t in bucket]
+        yield cfg, sum(p.numel() for p in params), sum(storages.values()), exported, codes
     finally:
         trainer.close()
 
 
 def test_trainer_bytes_match_a_real_step(smollm2_trainer):
-    cfg, numel, measured, _ = smollm2_trainer
+    cfg, numel, measured, _, _ = smollm2_trainer
     s = shape(model_config("smollm2")[0])
     planned = trainer_bytes(s, cfg, cuda=False)
     assert planned["parameters"] == numel
@@ -147,12 +157,37 @@ def test_trainer_bytes_match_a_real_step(smollm2_trainer):
 
 
 def test_push_bytes_and_buckets_match_the_export(smollm2_trainer):
-    cfg, _, _, exported = smollm2_trainer
+    cfg, _, _, exported, _ = smollm2_trainer
     s = shape(model_config("smollm2")[0])
     push = push_bytes(s, cfg)
     assert push["bytes"] == sum(n for bucket in exported for _, n in bucket)
     assert push["buckets"] == len(exported) > 1
     assert [(t.name, 2 * t.numel) for t in hf_tensors(s)] == [x for bucket in exported for x in bucket]
+
+
+@pytest.mark.parametrize("precision", CODE_PUSHES)
+def test_a_code_push_plans_its_wire_bytes_and_no_masters(smollm2_trainer, precision):
+    """rollout.push=codes: the plan's push is the bytes and buckets (the engine client's, `transfer.buckets`) of
+    the code push of the real export, and its engines keep no masters (none on the host); rollout.push=bf16 keeps
+    them, and the push is the BF16 export's."""
+    from qurl_mcore.sizing import GPUS, engine_bytes
+    from qurl_mcore.transfer import buckets
+
+    _, _, _, exported, codes = smollm2_trainer
+    s = shape(model_config("smollm2")[0])
+    over = ["model.path=smollm2", f"precision={precision}", f"rollout.push_bucket_mb={BUCKET_MB}"]
+    cfg = load_config(None, [*over, "rollout.push=codes"])
+    sent = codes[precision]
+    push = push_bytes(s, cfg)
+    assert push["bytes"] == sum(n for _, n in sent) < sum(n for bucket in exported for _, n in bucket)
+    stream = ((name, torch.empty(n, dtype=torch.uint8)) for name, n in sent)
+    assert push["buckets"] == len(list(buckets(stream, BUCKET_MB << 20))) > 1
+    assert push["codes"] == cfg.resolved_precision()[2]
+    engine = engine_bytes(s, cfg, GPUS["h100-80g"])
+    assert engine["master"] == "none" and engine["host_masters"] == 0
+    bf16 = load_config(None, [*over, "rollout.push=bf16"])
+    assert engine_bytes(s, bf16, GPUS["h100-80g"])["host_masters"] > 0
+    assert push_bytes(s, bf16)["bytes"] == sum(n for bucket in exported for _, n in bucket)
 
 
 # ---- hand-derived values -------------------------------------------------------------------------------
