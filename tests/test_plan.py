@@ -421,6 +421,21 @@ def test_cli_json(capsys):
     assert out["push"]["bytes"] == 2 * 30_532_122_624
 
 
+def test_shipped_configs_plan_no_host_masters_where_they_push_codes(capsys):
+    """rollout.push=auto: the shipped configs of colocated TP 1 engines push codes, and their plan holds no masters;
+    the disaggregated ones (broadcast pushes, TP > 1 engines) push BF16 and keep theirs on the host."""
+    from qurl_mcore.cli import main
+
+    codes = {"cpu_demo", "dapo_qwen2.5_7b_math_int8", "deepscaler_grpo_1.5b_int8", "gsm8k_ppo_qwen2.5_0.5b_int8"}
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        assert main(["plan", "--config", str(path), "--json", "rollout.push=auto"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        pushes_codes = path.stem in codes
+        assert (out["engines"]["master"] == "none") == pushes_codes, path.stem
+        assert (out["engines"]["host_masters_per_node"] == 0) == pushes_codes, path.stem
+        assert (out["push"]["codes"] is not None) == pushes_codes, path.stem
+
+
 def test_the_gpu_defaults_to_the_one_the_config_names(capsys, tmp_path):
     """A config naming its GPU is planned on it (the shipped DeepSeek-V3 config: H200s); --gpu overrides it;
     a config naming none is planned on H100s; `--check` refuses a name the planner does not know."""
