@@ -190,6 +190,21 @@ def test_a_code_push_plans_its_wire_bytes_and_no_masters(smollm2_trainer, precis
     assert push_bytes(s, bf16)["bytes"] == sum(n for bucket in exported for _, n in bucket)
 
 
+@pytest.mark.parametrize("model", ["tiny-glm4_moe", "tiny-deepseek_v3"])
+def test_push_bytes_keep_the_routers_expert_bias_in_fp32(model):
+    """A BF16 push of an MoE whose router has an expert bias sends that bias in fp32, as the export casts it
+    (`megatron.convert.export_cast`): the plan's bytes are the cast checkpoint's."""
+    from qurl_mcore.megatron.convert import export_cast, read_hf_state
+    from qurl_mcore.models import resolve_model_path
+
+    hf, _ = model_config(model)
+    cast = export_cast(hf, torch.bfloat16)
+    state = read_hf_state(resolve_model_path(model))
+    assert any(cast(n, t).dtype == torch.float32 for n, t in state.items())
+    planned = push_bytes(shape(hf), load_config(None, [f"model.path={model}", "precision=bf16"]))
+    assert planned["bytes"] == sum(cast(n, t).nbytes for n, t in state.items())
+
+
 # ---- hand-derived values -------------------------------------------------------------------------------
 
 def test_trainer_states_by_hand():
