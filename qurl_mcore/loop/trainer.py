@@ -458,19 +458,23 @@ class PolicyTrainer:
         return calibrate(model.module, prompts, self.hf, self.recipe.engine.groups, self.cfg.rollout.smoothing,
                          run=model.run)
 
-    def push_weights(self, version: str, only: list[int] | None = None) -> float:
+    def push_weights(self, version: str, only: list[int] | None = None) -> dict[str, float]:
         """Stream this rank's weights to its engines as weight `version` (of `only` those engines, if
         given), one bucket at a time (`weight_stream`): as codes and scales to engines that take them
         (`rollout.push`), and with the refit check after it (`rollout.verify_push`: a RefitMismatch names the
         units that differ and stops the run). Collective: every rank iterates the whole export, also after its
-        own engine failed. Returns the seconds taken; raises EngineFailure naming the engine that failed."""
+        own engine failed. Returns this rank's time/push (seconds), push/bytes (what it put on the wire: codes
+        and scales in a code push) and push/verified_units (units the refit check found equal, its engines
+        together); raises EngineFailure naming the engine that failed."""
         start = time.perf_counter()
+        sent = [0]
         targets = [k for k, i in enumerate(self.engine_ids) if only is None or i in only]
         failure: Exception | None = None
         with self.weight_stream(smoothed=True) as stream:
             codes = self._code_push()
             # the trainer's quantization of a code push is part of its export: its errors are the trainer's too
-            out = _exported(codes.buckets(stream) if codes is not None else stream)
+            out = _counted(_exported(codes.buckets(stream) if codes is not None else stream), sent)
+            checked = 0
             try:
                 pushed: list[int] = []
                 if self.sender is not None:
@@ -482,13 +486,15 @@ class PolicyTrainer:
                                                  bucket_bytes=self.cfg.rollout.push_bucket_mb << 20)
                 for k in pushed if codes is not None and self.cfg.rollout.verify_push else ():
                     self.engines[k].verify_push(codes)
+                    checked += len(codes.digests)
             except (WeightSpecError, WeightExportError):
                 raise  # our export is wrong or failed, or the engine's codes differ: no engine restart fixes that
             except Exception as err:  # noqa: BLE001 - a transport or engine error: that engine restarts
                 failure = self._engine_failure(err, targets)
         if failure is not None:
             raise failure
-        return time.perf_counter() - start
+        return {"time/push": time.perf_counter() - start, "push/bytes": float(sent[0]),
+                "push/verified_units": float(checked)}
 
     def _code_push(self) -> CodePush | None:
         """The push's transform (`qurl_mcore.rollout.codes`): codes for engines that take them, else the digests of
@@ -701,6 +707,14 @@ def _exported(stream):
         yield from stream
     except Exception as err:  # noqa: BLE001 - every error of the export is the trainer's
         raise WeightExportError(f"exporting this rank's weights: {type(err).__name__}: {err}"[:2000]) from err
+
+
+def _counted(stream, sent: list[int]):
+    """The buckets of `stream`, their bytes added to `sent[0]` as they are taken (the bytes a push put on the
+    wire: codes and scales for a code push)."""
+    for bucket in stream:
+        sent[0] += sum(t.nbytes for _, t in bucket)
+        yield bucket
 
 
 def _answers(engine) -> bool:

@@ -291,7 +291,7 @@ def engine_weights(s: Shape, precision: str, scope: str, fmt: str | None, dtype:
     b = _DTYPE_BYTES[dtype]
     out = dict.fromkeys(("quantized", "full", "masters", "experts", "embedding", "replicated"), 0)
     for x in hf_tensors(s):
-        n = FORMATS[fmt].weight_bytes(*x.shape) if x.name in names else x.numel * b
+        n = FORMATS[fmt].weight_bytes(*x.shape) if x.name in names else x.bytes(b)
         out["quantized" if x.name in names else "full"] += n
         out["masters"] += x.numel * b if x.name in names else 0
         out["experts"] += n if x.kind == "experts" else 0
