@@ -238,7 +238,7 @@ def _export(args: argparse.Namespace) -> int:
         if problem:
             raise ValueError(f"{problem}; give a directory the export can write")
         claim_output(out, src, force=args.force)
-        out = (unscale_hf_checkpoint(src, out, args.uaq_scale) if hf_dir
+        out = (unscale_hf_checkpoint(src, out, args.uaq_scale, args.uaq_scope) if hf_dir
                else export_checkpoint(src, out, dtype=args.dtype))
     except (OSError, ValueError) as err:
         print(f"qurl export: {err}")
@@ -463,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--uaq-scale", type=float, default=None, metavar="S",
                      help="CHECKPOINT is an HF directory saved UAQ-scaled by S (slime's --save-hf with uaq_hook): "
                           "write it unscaled")
+    exp.add_argument("--uaq-scope", choices=list(SCOPES), default="all",
+                     help="with --uaq-scale: the scope its UAQ rescaled, the precision's: " +
+                          ", ".join(f"{p.name} {p.uaq}" for p in PRECISIONS.values() if p.uaq))
     exp.set_defaults(func=_export)
     args = parser.parse_args(argv)
     return _held_warnings(args.func, args)

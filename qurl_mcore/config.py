@@ -10,11 +10,14 @@ import difflib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
-from qurl_mcore.precision import FP4_FORMATS, PRECISIONS, SCOPES, get_precision, select
+from qurl_mcore.precision import FP4_FORMATS, PRECISIONS, SCOPES, get_precision, select, uaq_scope
 from qurl_mcore.rl import AGGREGATIONS, KL_ESTIMATORS, LOSSES
 from qurl_mcore.tasks import DOTTED, REWARDS
+
+if TYPE_CHECKING:
+    from qurl_mcore.models.slots import Shape
 
 # torch and yaml are imported in the functions that use them: `qurl --help` builds its parser from modules that
 # import this one, and stays fast without them
@@ -68,7 +71,7 @@ class RolloutConfig:
     requant: Literal["eager", "compiled"] = "eager"  # engines' re-quantization per push; compiled: torch.compile'd
     # what a push to quantized engines carries: codes (the trainer's codes and scales, no masters in the engines),
     # bf16 (full precision, re-quantized by the engines), auto: codes where they serve (qurl_mcore/rollout/codes.py);
-    # bf16 stays the default until code pushes serve every layout and TP (docs/rollout.md, "Code pushes")
+    # bf16 stays the default until code pushes serve every layout (docs/rollout.md, "Code pushes")
     push: Literal["auto", "codes", "bf16"] = "bf16"
     verify_push: bool = True  # after each push, compare the engines' installed codes with the trainer's (digests)
     # SmoothQuant migration strength α of the engines' copy (qurl_mcore/smoothing.py); 0: off
@@ -214,32 +217,49 @@ class Config:
         choice = self.rollout.offload
         return choice is True or (choice == "auto" and cuda and self.layout == "colocated")
 
-    def push_mode(self, mla: bool) -> str:
-        """What weight pushes carry (`rollout.push`): "bf16" for full-precision engines; "codes" where a code push
-        serves: engines of TP 1 (each TP shard quantizes on its own: a row-parallel linear's shards get scales of
-        their own, NVFP4 units a global scale per shard), tensor pushes (the colocated layout; the broadcast path
-        sends BF16), and no MLA attention in scope (`mla`: the model has MLA; its engine rebuilds the decode
-        weights from kv_b_proj's full-precision values, which a code push does not send). "auto" is codes where
-        it serves, else bf16; "codes" where it does not is refused, naming why."""
-        p, scope, _ = self.resolved_precision()
+    def push_mode(self, model: Shape) -> str:
+        """What weight pushes carry (`rollout.push`) for engines of `model`: "bf16" for full-precision engines;
+        "codes" where a code push serves: tensor pushes (the colocated layout; the broadcast path sends BF16), no
+        MLA attention in scope (its engine rebuilds the decode weights from kv_b_proj's full-precision values,
+        which a code push does not send), and at TP > 1 no NVFP4 k/v heads that TP ranks replicate (each rank's
+        q/k/v unit has its own global scale, so a replicated k/v head holds other codes on each rank, which one
+        wire tensor cannot carry). "auto" is codes where it serves, else bf16; "codes" where it does not is
+        refused, naming why."""
+        p, scope, fmt = self.resolved_precision()
         if p.rollout is None or self.rollout.push == "bf16":
             return "bf16"
         why = []
-        if self.rollout.tp_size != 1:
-            why.append(f"rollout.tp_size is {self.rollout.tp_size}: code pushes serve engines of TP 1")
+        tp = self.rollout.tp_size
         if self.layout != "colocated":
             why.append(f"layout is {self.layout}: code pushes go by tensor (colocated), the broadcast path sends BF16")
-        if mla and "attention" in SCOPES[scope]:
+        if model.mla and "attention" in SCOPES[scope]:
             why.append(f"scope {scope} quantizes MLA's kv_b_proj, whose full-precision values the engine needs for "
                        "its decode weights (a code push does not send them): use scope experts")
+        elif "attention" in SCOPES[scope] and model.kv_heads % tp and self._global_scale():
+            fits = [n for n in range(1, tp) if not model.kv_heads % n and not model.heads % n]
+            why.append(f"rollout.tp_size {tp} replicates the model's {model.kv_heads} k/v heads, which {fmt} "
+                       f"quantizes with each rank's own global scale: use rollout.tp_size={max(fits)} or scope "
+                       "experts")
         if why and self.rollout.push == "codes":
             raise ValueError("rollout.push=codes: " + "; ".join(why) + "; or use rollout.push=bf16 or auto")
         return "bf16" if why else "codes"
+
+    def _global_scale(self) -> bool:
+        """Whether the engines' weight format has a per-tensor scale (NVFP4's)."""
+        # lazy: the format table loads torch; only TP > 1 with replicated k/v heads asks
+        from qurl_mcore.quant.wire import has_global_scale
+
+        return has_global_scale(self.recipe().engine.spec)
 
     def resolved_precision(self):
         """(precision row, scope, format) with the defaults filled in (`qurl_mcore.precision.select`)."""
         p = get_precision(self.precision)
         return select(self.precision, self.scope, self.fp4_format if self.fp4_format in p.formats else None)
+
+    def uaq_scope(self) -> str | None:
+        """The scope UAQ rescales (`qurl_mcore.precision.uaq_scope`), None with UAQ off; ValueError where the
+        precision and scope take no UAQ (`qurl train --check` names it first)."""
+        return uaq_scope(self.precision, self.scope) if self.uaq.enabled else None
 
     def recipe(self, te_available: bool | None = None):
         """The `qurl_mcore.recipe.Recipe` of precision, scope and FP4 format (it imports torch, which the schema

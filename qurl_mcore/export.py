@@ -42,6 +42,7 @@ def _export_rank(rank: int, checkpoint_dir: str, out_dir: str, dtype: str) -> st
             state = read_file(checkpoint_dir, rank_file(rank))["model"]
             model.load_state_dict({k: v for k, v in state.items() if not k.endswith("._extra_state")})
         out = write_hf_checkpoint(model, source, out_dir, uaq_scale=cfg.uaq.scale if cfg.uaq.enabled else None,
+                                  uaq_scope=cfg.uaq_scope() or "all",
                                   dtype=getattr(torch, dtype))
         return None if out is None else str(out)
     finally:

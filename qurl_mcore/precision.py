@@ -64,6 +64,9 @@ class Precision:
     weights, activations and gradients, None the format's defaults: "tensor" is one scale per tensor, which
     Transformer Engine's FP8 current scaling runs where it is installed.
     `rollout` is the engines' SGLang method, None for full-precision engines. `kind` says why the row exists.
+    `uaq` is the scope UAQ (QuRL §4.3, `uaq.enabled`) rescales on this row, a key of `SCOPES` (`uaq_scope`), None
+    where UAQ is refused: "all" for a full-precision trainer of an 8-bit rollout (QuRL), "experts" for FP4 on both
+    sides, where it makes the experts' updates larger relative to the FP4 grid that both sides quantize on.
     """
 
     name: str
@@ -73,6 +76,7 @@ class Precision:
     scope: str  # the default scope
     summary: str
     train_granularity: str | None = None
+    uaq: str | None = None
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -83,26 +87,22 @@ class Precision:
     def trains_quantized(self) -> bool:
         return self.train != "bf16"
 
-    @property
-    def uaq(self) -> bool:
-        """Whether UAQ applies: an 8-bit per-channel rollout of a full-precision trainer (QuRL §4.3)."""
-        return self.kind == "QuRL"
-
 
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("bf16", "bf16", None, "reference", "all",
               "no quantization on either side"),
     Precision("int8", "bf16", "qurl_int8", "QuRL", "all",
-              "INT8 W8A8 rollout, full-precision training (QuRL; importance correction, UAQ)"),
+              "INT8 W8A8 rollout, full-precision training (QuRL; importance correction, UAQ)", uaq="all"),
     Precision("fp8", "bf16", "qurl_fp8", "QuRL", "all",
-              "FP8 E4M3 W8A8 rollout, full-precision training (QuRL)"),
+              "FP8 E4M3 W8A8 rollout, full-precision training (QuRL)", uaq="all"),
     Precision("fp8_e2e", "rc_none", "qurl_fp8", "ablation", "all",
               "FP8 training (one scale per tensor, Transformer Engine's current scaling) and FP8 W8A8 rollout",
               train_granularity="tensor"),
     Precision("fp4", "rc_none", "qurl_fp4", "symmetric", "experts",
-              "FP4 on both sides, no residual correction (MoEResQ's FP4 baseline row)"),
+              "FP4 on both sides, no residual correction (MoEResQ's FP4 baseline row)", uaq="experts"),
     Precision("fp4_rc", "rc_both", "qurl_fp4_rc", "symmetric", "experts",
-              "FP4 with residual correction in training forward and backward and in rollout (MoEResQ)"),
+              "FP4 with residual correction in training forward and backward and in rollout (MoEResQ)",
+              uaq="experts"),
     Precision("fp4_rc_rollout", "rc_none", "qurl_fp4_rc", "ablation", "experts",
               "residual correction in rollout only (MoEResQ's RC-inference row, RolloutResQ)"),
     Precision("fp4_rc_train", "rc_both", "qurl_fp4", "ablation", "experts",
@@ -133,6 +133,22 @@ def select(precision: str, scope: str = "auto", fmt: str | None = None) -> tuple
     elif fmt not in p.formats:
         raise ValueError(f"precision {p.name!r} runs in {list(p.formats) or 'full precision'}, not {fmt!r}")
     return p, scope, fmt
+
+
+def uaq_scope(precision: str, scope: str = "auto") -> str:
+    """The scope UAQ rescales in a run of `precision` that quantizes `scope`: the row's `uaq`, which must hold
+    every linear group the run quantizes (a linear quantized on both sides but left unrescaled would keep its
+    small updates swallowed, unlike its neighbours). ValueError naming the fix where UAQ does not apply."""
+    p, scope, _ = select(precision, scope)
+    if p.uaq is None:
+        rows = ", ".join(f"{q.name} (scope {q.uaq})" for q in PRECISIONS.values() if q.uaq)
+        raise ValueError(f"UAQ rescales the weights that a quantized rollout re-quantizes, for precision {rows}; "
+                         f"not precision {p.name!r}: set uaq.enabled=false")
+    if not SCOPES[scope] <= SCOPES[p.uaq]:
+        left = sorted(SCOPES[scope] - SCOPES[p.uaq])
+        raise ValueError(f"UAQ on precision {p.name!r} rescales scope {p.uaq} only, and scope {scope} also "
+                         f"quantizes {left}: set scope={p.uaq}, or uaq.enabled=false")
+    return p.uaq
 
 
 def default_scope(method: str) -> str:

@@ -28,7 +28,7 @@ from .heldout import eval_examples, greedy_repeats
 from .models import ARCHITECTURES, resolve_model_path
 from .placement import placement_of, unplaceable
 from .models.registry import hf_linears, num_experts, shape, slots
-from .precision import METHODS, PRECISIONS, SCOPES, get_precision, quantized_linears
+from .precision import METHODS, SCOPES, quantized_linears
 from .sglang.kernels import KERNEL_FORMATS
 from .runlock import in_use
 from .sizing import GPUS, batch_bytes, check_fits, local_gpu, model_config, parameter_count, trainer_bytes
@@ -94,10 +94,10 @@ def _field_rules(cfg: Config, out: Preflight, use_gpu: bool) -> None:
                             "use train.tp_size=1")
     if cfg.gpu and cfg.gpu not in GPUS:
         out.problems.append(f"gpu: unknown GPU {cfg.gpu!r}; use one of {list(GPUS)}, or leave it empty")
-    if cfg.uaq.enabled and not get_precision(cfg.precision).uaq:
-        uaq = [p.name for p in PRECISIONS.values() if p.uaq]
-        out.problems.append(f"uaq.enabled: UAQ rescales a full-precision trainer for an 8-bit rollout "
-                            f"(precision {' or '.join(uaq)}), not precision {cfg.precision!r}; set uaq.enabled=false")
+    try:
+        cfg.uaq_scope()
+    except ValueError as err:
+        out.problems.append(f"uaq.enabled: {err}")
     if not use_gpu and cfg.train.distributed_optimizer is True:
         out.problems.append("train.distributed_optimizer: Megatron's distributed optimizer needs CUDA tensors "
                             "(it checks for torch.cuda types); on CPUs use false or auto")
@@ -568,7 +568,8 @@ def preflight(cfg: Config, use_gpu: bool | None = None, local: bool = False, gpu
                        f"{cfg.data.prompts_per_step} prompts x {r.samples_per_prompt} samples per step, "
                        f"{cfg.steps} steps")
     _kernel_lines(cfg, model is not None and num_experts(model[1]) > 0, out)
-    out.summary.append("  uaq         " + (f"on, s = {cfg.uaq.scale}" if cfg.uaq.enabled else "off"))
+    out.summary.append("  uaq         " + (f"on, s = {cfg.uaq.scale}, scope {precision.uaq}" if cfg.uaq.enabled
+                                             else "off"))
     _eval_rules(cfg, out)
     out.summary.append(f"  outputs     checkpoints {cfg.checkpoint.dir} (every {cfg.checkpoint.every}), "
                        f"logs {cfg.logging.dir}")

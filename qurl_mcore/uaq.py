@@ -25,6 +25,18 @@ kv_b_proj holds, head by head, k_nope rows then v rows, so its role is split per
 part takes the exponent of the role it plays (k: −1, v: 0). The down projections (role "latent") are full
 precision on both sides; their 1/s only undoes the norm's s. q_b_proj keeps W (why: the table's docstring,
 `qurl_mcore.models.deepseek_v3`).
+
+A UAQ scope (`UAQ_ROLES`, named as the precision scopes of `qurl_mcore.precision.SCOPES`) limits the rescaling to
+the roles around the linears it names; every other tensor keeps its value. Scope "experts" is the MLP block:
+
+  pre_mlp_layernorm γ·s  and  every consumer of its output / s: the experts' gate and up rows, the router, a
+                              shared expert's gate and up rows and its sigmoid gate (a dense MLP's fc1 alike)
+  up rows · s            and  fc2 / s  (each expert's, each shared expert's)
+
+This is exact for the same reasons; the attention, its norm and MLA's latents are untouched. The router keeps
+its logits, (W_r/s)·(s·x) = W_r·x, so it picks the same experts up to the rounding of W_r/s and γ·s (none at all
+when s is a power of two). The shared experts are full precision in this scope; they take the same exponents
+as the routed ones because they read the same scaled input.
 """
 from __future__ import annotations
 
@@ -44,33 +56,55 @@ UAQ_EXPONENTS: dict[str, int] = {
 }
 #: role -> the roles of the parts each head's rows hold, in order (MLA's kv_b_proj: [k_nope; v] per head)
 PER_HEAD_ROLES: dict[str, tuple[str, ...]] = {"kv_b": ("k", "v")}
+#: UAQ scope -> the roles it rescales (module docstring); a tensor of any other role keeps its value
+UAQ_ROLES: dict[str, frozenset[str]] = {
+    "all": frozenset(UAQ_EXPONENTS),
+    "experts": frozenset({"mlp_norm", "gate", "up", "down", "router"}),
+}
 
 
-def scale_per_head(t: torch.Tensor, role: str, part_rows: tuple[int, ...], s: float) -> torch.Tensor:
+def uaq_exponent(role: str | None, scope: str = "all") -> int:
+    """k such that UAQ over `scope` multiplies a tensor (or a per-head part) of `role` by s**k: 0 outside the
+    scope's roles and for tensors without a role."""
+    if scope not in UAQ_ROLES:
+        raise ValueError(f"unknown UAQ scope {scope!r}; use one of {list(UAQ_ROLES)}")
+    return UAQ_EXPONENTS[role] if role in UAQ_ROLES[scope] else 0
+
+
+def rescales(roles: tuple[str | None, ...], scope: str = "all") -> bool:
+    """Whether UAQ over `scope` changes a tensor holding `roles` (per-head roles by their parts')."""
+    return any(uaq_exponent(part, scope) for role in roles if role for part in PER_HEAD_ROLES.get(role, (role,)))
+
+
+def scale_per_head(t: torch.Tensor, role: str, part_rows: tuple[int, ...], s: float,
+                   scope: str = "all") -> torch.Tensor:
     """`t`, whose rows are heads of `part_rows` rows each part, with every head's part i times s**k of
-    PER_HEAD_ROLES[role][i]; computed in fp32, returned in t's dtype. A TP shard of whole heads scales alike."""
+    PER_HEAD_ROLES[role][i] (`uaq_exponent` over `scope`); computed in fp32, returned in t's dtype. A TP shard of
+    whole heads scales alike."""
     parts = PER_HEAD_ROLES[role]
     if len(part_rows) != len(parts) or t.shape[0] % sum(part_rows):
         raise ValueError(f"role {role!r}: {t.shape[0]} rows are not heads of parts {part_rows} ({parts})")
-    factor = torch.cat([torch.full((n,), float(s ** UAQ_EXPONENTS[r]), device=t.device)
+    factor = torch.cat([torch.full((n,), float(s ** uaq_exponent(r, scope)), device=t.device)
                         for n, r in zip(part_rows, parts)])
     per_head = t.float().reshape(-1, sum(part_rows), *t.shape[1:])
     return (per_head * factor.view(1, -1, *[1] * (t.dim() - 1))).reshape(t.shape).to(t.dtype)
 
 
-def uaq_scale_hf(name: str, tensor: torch.Tensor, s: float, hf_config: object = None) -> torch.Tensor:
-    """`tensor` (HF parameter `name`) as UAQ with factor s makes it: tensor·s**k for its role (the `uaq` of its
-    slot in the architecture table, `qurl_mcore.models`), computed in fp32. A role split per head
-    (`PER_HEAD_ROLES`) reads its parts' sizes from `hf_config` (MLA: qk_nope_head_dim, v_head_dim)."""
+def uaq_scale_hf(name: str, tensor: torch.Tensor, s: float, hf_config: object = None,
+                 scope: str = "all") -> torch.Tensor:
+    """`tensor` (HF parameter `name`) as UAQ over `scope` with factor s makes it: tensor·s**k for its role (the
+    `uaq` of its slot in the architecture table, `qurl_mcore.models`; `uaq_exponent`), computed in fp32. A role
+    split per head (`PER_HEAD_ROLES`) reads its parts' sizes from `hf_config` (MLA: qk_nope_head_dim, v_head_dim)."""
     role = hf_uaq_role(name)
+    if not rescales((role,), scope):
+        return tensor
     if role in PER_HEAD_ROLES:
         if hf_config is None:
             raise ValueError(f"{name}: UAQ scales its heads' parts apart (role {role!r}); pass the model's "
                              "config (hf_config) for their sizes")
         mla = shape(hf_config)
-        return scale_per_head(tensor, role, (mla.qk_nope_head_dim, mla.v_head_dim), s)
-    k = UAQ_EXPONENTS[role] if role else 0
-    return tensor if k == 0 else (tensor.float() * s**k).to(tensor.dtype)
+        return scale_per_head(tensor, role, (mla.qk_nope_head_dim, mla.v_head_dim), s, scope)
+    return (tensor.float() * s ** uaq_exponent(role, scope)).to(tensor.dtype)
 
 
 def _codes(w: torch.Tensor, fmt: str, granularity: str) -> torch.Tensor:

@@ -17,6 +17,7 @@ from qurl_mcore.models.cards import CARDS, card
 from qurl_mcore.models.registry import hf_linears, shape
 from qurl_mcore.models.slots import LINEAR_GROUPS
 from qurl_mcore.quant.formats import FORMATS
+from qurl_mcore.rollout.codes import CodePush, engine_units
 from qurl_mcore.sizing import (
     activation_bytes,
     batch_bytes,
@@ -93,6 +94,8 @@ def test_cards_by_path_and_instruct_suffix():
 # ---- the trainer and the push, measured on a real SmolLM2 trainer (fp32 on CPU) ----------------------------
 
 BUCKET_MB = 16
+#: the precisions whose code push the plan is checked against (8-bit and FP4)
+CODE_PUSHES = ("int8", "fp4")
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +132,22 @@ def smollm2_trainer():
             for value in state.values():
                 if torch.is_tensor(value):
                     add(value)
-        exported = [[(n, t.numel() * t.element_size()) for n, t in bucket] for bucket in
-                    export_hf_weights(trainer.model, trainer.hf, bucket_bytes=BUCKET_MB << 20, dtype=torch.bfloat16)]
-        yield cfg, sum(p.numel() for p in params), sum(storages.values()), exported
+        def export():
+            return export_hf_weights(trainer.model, trainer.hf, bucket_bytes=BUCKET_MB << 20, dtype=torch.bfloat16)
+
+        exported = [[(n, t.numel() * t.element_size()) for n, t in bucket] for bucket in export()]
+        codes = {}  # precision -> what its code push sends the engine, tensor by tensor (the client re-buckets)
+        for precision in CODE_PUSHES:
+            engine = load_config(None, [f"precision={precision}"]).recipe().engine
+            push = CodePush(engine.spec, engine_units(trainer.hf, engine.groups))
+            codes[precision] = [(n, t.nbytes) for bucket in push.buckets(export()) for n, t in bucket]
+        yield cfg, sum(p.numel() for p in params), sum(storages.values()), exported, codes
     finally:
         trainer.close()
 
 
 def test_trainer_bytes_match_a_real_step(smollm2_trainer):
-    cfg, numel, measured, _ = smollm2_trainer
+    cfg, numel, measured, _, _ = smollm2_trainer
     s = shape(model_config("smollm2")[0])
     planned = trainer_bytes(s, cfg, cuda=False)
     assert planned["parameters"] == numel
@@ -147,12 +157,52 @@ def test_trainer_bytes_match_a_real_step(smollm2_trainer):
 
 
 def test_push_bytes_and_buckets_match_the_export(smollm2_trainer):
-    cfg, _, _, exported = smollm2_trainer
+    cfg, _, _, exported, _ = smollm2_trainer
     s = shape(model_config("smollm2")[0])
     push = push_bytes(s, cfg)
     assert push["bytes"] == sum(n for bucket in exported for _, n in bucket)
     assert push["buckets"] == len(exported) > 1
     assert [(t.name, 2 * t.numel) for t in hf_tensors(s)] == [x for bucket in exported for x in bucket]
+
+
+@pytest.mark.parametrize("precision", CODE_PUSHES)
+def test_a_code_push_plans_its_wire_bytes_and_no_masters(smollm2_trainer, precision):
+    """rollout.push=codes: the plan's push is the bytes and buckets (the engine client's, `transfer.buckets`) of
+    the code push of the real export, and its engines keep no masters (none on the host); rollout.push=bf16 keeps
+    them, and the push is the BF16 export's."""
+    from qurl_mcore.sizing import GPUS, engine_bytes
+    from qurl_mcore.transfer import buckets
+
+    _, _, _, exported, codes = smollm2_trainer
+    s = shape(model_config("smollm2")[0])
+    over = ["model.path=smollm2", f"precision={precision}", f"rollout.push_bucket_mb={BUCKET_MB}"]
+    cfg = load_config(None, [*over, "rollout.push=codes"])
+    sent = codes[precision]
+    push = push_bytes(s, cfg)
+    assert push["bytes"] == sum(n for _, n in sent) < sum(n for bucket in exported for _, n in bucket)
+    stream = ((name, torch.empty(n, dtype=torch.uint8)) for name, n in sent)
+    assert push["buckets"] == len(list(buckets(stream, BUCKET_MB << 20))) > 1
+    assert push["codes"] == cfg.resolved_precision()[2]
+    engine = engine_bytes(s, cfg, GPUS["h100-80g"])
+    assert engine["master"] == "none" and engine["host_masters"] == 0
+    bf16 = load_config(None, [*over, "rollout.push=bf16"])
+    assert engine_bytes(s, bf16, GPUS["h100-80g"])["host_masters"] > 0
+    assert push_bytes(s, bf16)["bytes"] == sum(n for bucket in exported for _, n in bucket)
+
+
+@pytest.mark.parametrize("model", ["tiny-glm4_moe", "tiny-deepseek_v3"])
+def test_push_bytes_keep_the_routers_expert_bias_in_fp32(model):
+    """A BF16 push of an MoE whose router has an expert bias sends that bias in fp32, as the export casts it
+    (`megatron.convert.export_cast`): the plan's bytes are the cast checkpoint's."""
+    from qurl_mcore.megatron.convert import export_cast, read_hf_state
+    from qurl_mcore.models import resolve_model_path
+
+    hf, _ = model_config(model)
+    cast = export_cast(hf, torch.bfloat16)
+    state = read_hf_state(resolve_model_path(model))
+    assert any(cast(n, t).dtype == torch.float32 for n, t in state.items())
+    planned = push_bytes(shape(hf), load_config(None, [f"model.path={model}", "precision=bf16"]))
+    assert planned["bytes"] == sum(cast(n, t).nbytes for n, t in state.items())
 
 
 # ---- hand-derived values -------------------------------------------------------------------------------
@@ -384,6 +434,21 @@ def test_cli_json(capsys):
     assert set(out) == {"model", "hardware", "trainer", "engines", "push", "rollout", "verdict", "problems"}
     assert out["model"]["parameters"] == 30_532_122_624
     assert out["push"]["bytes"] == 2 * 30_532_122_624
+
+
+def test_shipped_configs_plan_no_host_masters_where_they_push_codes(capsys):
+    """rollout.push=auto: the shipped configs of colocated TP 1 engines push codes, and their plan holds no masters;
+    the disaggregated ones (broadcast pushes, TP > 1 engines) push BF16 and keep theirs on the host."""
+    from qurl_mcore.cli import main
+
+    codes = {"cpu_demo", "dapo_qwen2.5_7b_math_int8", "deepscaler_grpo_1.5b_int8", "gsm8k_ppo_qwen2.5_0.5b_int8"}
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        assert main(["plan", "--config", str(path), "--json", "rollout.push=auto"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        pushes_codes = path.stem in codes
+        assert (out["engines"]["master"] == "none") == pushes_codes, path.stem
+        assert (out["engines"]["host_masters_per_node"] == 0) == pushes_codes, path.stem
+        assert (out["push"]["codes"] is not None) == pushes_codes, path.stem
 
 
 def test_the_gpu_defaults_to_the_one_the_config_names(capsys, tmp_path):

@@ -37,7 +37,8 @@ def test_every_row_names_real_methods_modes_and_formats():
             assert resolve(p.name).train.rc_forward == engine_recipe(p.rollout).spec.rc_forward
     assert [PRECISIONS[n].kind for n in ALIGNMENT_ROWS] == ["reference", "symmetric", "ablation", "ablation",
                                                             "symmetric"]
-    assert {p.name for p in PRECISIONS.values() if p.uaq} == {"int8", "fp8"}
+    assert {p.name: p.uaq for p in PRECISIONS.values() if p.uaq} == {"int8": "all", "fp8": "all", "fp4": "experts",
+                                                                     "fp4_rc": "experts"}
 
 
 def test_select_fills_defaults_and_refuses_what_a_precision_does_not_take():

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from qurl_mcore.config import UAQConfig
-from qurl_mcore.precision import Precision, select
+from qurl_mcore.precision import Precision, select, uaq_scope
 from qurl_mcore.recipe import resolve
 from qurl_mcore.rl import metrics as M
 from qurl_mcore.rl.losses import policy_loss
@@ -268,7 +268,8 @@ def uaq_hook(args: Namespace, rollout_id: int, step_id: int, model: Sequence[tor
              opt_param_scheduler) -> None:
     """slime's `--custom-megatron-before-train-step-hook-path` (called at the start of every train step with
     the DDP model chunks and the Megatron optimizer: backends/megatron_utils/model.py:557-561): applies UAQ
-    (`qurl_mcore.megatron.apply_uaq`, s = `qurl_uaq_scale`, default UAQConfig's) to the actor once.
+    (`qurl_mcore.megatron.apply_uaq`, s = `qurl_uaq_scale`, default UAQConfig's, over the precision's UAQ scope,
+    `qurl_mcore.precision.uaq_scope`) to the actor once.
 
     Once: the chunks are marked, and only a run that started from the base weights is scaled (slime sets
     args.finetune when --load holds no slime checkpoint: utils/arguments.py:1817-1838); a resumed run loads
@@ -281,10 +282,11 @@ def uaq_hook(args: Namespace, rollout_id: int, step_id: int, model: Sequence[tor
 
     if getattr(model[0], "role", "actor") != "actor" or getattr(model[0], "qurl_uaq_scale", None) is not None:
         return
-    p, _, _ = precision_of(args)
-    if not p.uaq:
-        raise ValueError(f"UAQ rescales a full-precision trainer for an 8-bit rollout, not precision {p.name!r}: "
-                         "drop --custom-megatron-before-train-step-hook-path")
+    p, scope, _ = precision_of(args)
+    try:
+        scope = uaq_scope(p.name, scope)
+    except ValueError as err:
+        raise ValueError(f"{err} (here: drop --custom-megatron-before-train-step-hook-path)") from None
     scale = float(getattr(args, "qurl_uaq_scale", UAQConfig.scale))
     fused = [n for chunk in model for n, _ in chunk.named_parameters() if ".layer_norm_weight" in n]
     if fused:
@@ -293,7 +295,7 @@ def uaq_hook(args: Namespace, rollout_id: int, step_id: int, model: Sequence[tor
                          "qurl_mcore.integrations.slime.model_provider")
     if args.finetune:
         for chunk in model:
-            apply_uaq(chunk, scale)
+            apply_uaq(chunk, scale, scope)
         optimizer.reload_model_params()
     for chunk in model:
         chunk.qurl_uaq_scale = scale

@@ -163,18 +163,19 @@ class Loop:
                 self.write_pids()
         raise AssertionError("unreachable")
 
-    def push_all(self, version: str) -> float:
-        """Every engine gets the trainer's weights as `version` (restarting failed ones); returns the seconds.
+    def push_all(self, version: str) -> dict[str, float]:
+        """Every engine gets the trainer's weights as `version` (restarting failed ones); returns the push's
+        metrics (`TrainerGroup.push_weights`).
         With rollout.offload the engines take back their weights' memory first (the trainer empties its
         allocator's cache for it) and their KV cache and CUDA graphs after."""
-        def push() -> float:
+        def push() -> dict[str, float]:
             if not self.offload:
                 return self.trainers.push_weights(version)
             self.trainers.empty_cache()
             self.rollouts.resume_memory(["weights"])
-            seconds = self.trainers.push_weights(version)
+            pushed = self.trainers.push_weights(version)
             self.rollouts.resume_memory(["kv_cache", "cuda_graph"])
-            return seconds
+            return pushed
 
         return self.recovering(push, version)
 
@@ -280,7 +281,7 @@ class Loop:
         else:
             metrics["train/skipped_nonfinite"] = 0.0
         t_push = time.perf_counter()
-        metrics["time/push"] = self.push_all(f"step-{step + 1}")
+        metrics.update(self.push_all(f"step-{step + 1}"))
         end = time.perf_counter()
         metrics.update({"time/train_step": t_push - t_train, "time/step": end - start,
                         "train/skipped_no_signal": float(not samples),  # dynamic sampling dropped every group

@@ -107,10 +107,12 @@ class TrainerGroup:
         """HF module names of the linears any rank quantizes."""
         return set().union(*self._on_every_rank("quantized_linears", lambda t: t.quantized_linears.remote()))
 
-    def push_weights(self, version: str, *, only: list[int] | None = None) -> float:
+    def push_weights(self, version: str, *, only: list[int] | None = None) -> dict[str, float]:
         """Every rank streams its weights to its engines (of `only` those engines, if given) as weight
-        `version`; returns the seconds the slowest rank took."""
-        return max(self._on_every_rank("push_weights", lambda t: t.push_weights.remote(version, only=only)))
+        `version`; returns the push's metrics (`PolicyTrainer.push_weights`): the seconds the slowest rank took,
+        the bytes and the verified units of all ranks together."""
+        ranks = self._on_every_rank("push_weights", lambda t: t.push_weights.remote(version, only=only))
+        return {key: (max if key == "time/push" else sum)(r[key] for r in ranks) for key in ranks[0]}
 
     def push_reference(self, endpoint: tuple[str, str | None], version: str) -> float:
         """The weights, as weight `version`, to the BF16 reference engine at `endpoint`; returns the seconds

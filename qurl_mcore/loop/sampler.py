@@ -61,7 +61,7 @@ def engine_config(cfg: Config, engine: EngineRecipe | None, model_path: str, dev
     """The engine of a run computing `engine` (the run's `Recipe.engine`); an MoE's engine returns each token's
     routed experts (routing metrics, replay)."""
     r = cfg.rollout
-    push = cfg.push_mode(shape(model_path).mla)
+    push = cfg.push_mode(shape(model_path))
     method, options = engine_quantization(engine, r.requant, push)
     extra: dict[str, Any] = {"tp_size": cfg.rollout.tp_size} if cfg.rollout.tp_size > 1 else {}
     if device == "cuda" and cfg.offload_rollout(cuda=True):  # torch_memory_saver's allocator (GPUs only)

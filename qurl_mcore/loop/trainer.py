@@ -126,7 +126,7 @@ class PolicyTrainer:
         if cfg.uaq.enabled:
             # training runs in the rescaled parameterisation, so every update is s times larger relative to
             # the rollout's quantization step (QuRL §4.3); the function computed is unchanged
-            apply_uaq(self.model, cfg.uaq.scale)
+            apply_uaq(self.model, cfg.uaq.scale, cfg.uaq_scope())
         from qurl_mcore.megatron.replay import RoutingTaps
         self.moe = num_experts(self.hf) > 0
         self.taps = RoutingTaps(self.model)  # none in a dense model (or a pipeline stage without MoE layers)
@@ -458,19 +458,23 @@ class PolicyTrainer:
         return calibrate(model.module, prompts, self.hf, self.recipe.engine.groups, self.cfg.rollout.smoothing,
                          run=model.run)
 
-    def push_weights(self, version: str, only: list[int] | None = None) -> float:
+    def push_weights(self, version: str, only: list[int] | None = None) -> dict[str, float]:
         """Stream this rank's weights to its engines as weight `version` (of `only` those engines, if
         given), one bucket at a time (`weight_stream`): as codes and scales to engines that take them
         (`rollout.push`), and with the refit check after it (`rollout.verify_push`: a RefitMismatch names the
         units that differ and stops the run). Collective: every rank iterates the whole export, also after its
-        own engine failed. Returns the seconds taken; raises EngineFailure naming the engine that failed."""
+        own engine failed. Returns this rank's time/push (seconds), push/bytes (what it put on the wire: codes
+        and scales in a code push) and push/verified_units (units the refit check found equal, its engines
+        together); raises EngineFailure naming the engine that failed."""
         start = time.perf_counter()
+        sent = [0]
         targets = [k for k, i in enumerate(self.engine_ids) if only is None or i in only]
         failure: Exception | None = None
         with self.weight_stream(smoothed=True) as stream:
             codes = self._code_push()
             # the trainer's quantization of a code push is part of its export: its errors are the trainer's too
-            out = _exported(codes.buckets(stream) if codes is not None else stream)
+            out = _counted(_exported(codes.buckets(stream) if codes is not None else stream), sent)
+            checked = 0
             try:
                 pushed: list[int] = []
                 if self.sender is not None:
@@ -482,13 +486,15 @@ class PolicyTrainer:
                                                  bucket_bytes=self.cfg.rollout.push_bucket_mb << 20)
                 for k in pushed if codes is not None and self.cfg.rollout.verify_push else ():
                     self.engines[k].verify_push(codes)
+                    checked += len(codes.digests)
             except (WeightSpecError, WeightExportError):
                 raise  # our export is wrong or failed, or the engine's codes differ: no engine restart fixes that
             except Exception as err:  # noqa: BLE001 - a transport or engine error: that engine restarts
                 failure = self._engine_failure(err, targets)
         if failure is not None:
             raise failure
-        return time.perf_counter() - start
+        return {"time/push": time.perf_counter() - start, "push/bytes": float(sent[0]),
+                "push/verified_units": float(checked)}
 
     def _code_push(self) -> CodePush | None:
         """The push's transform (`qurl_mcore.rollout.codes`): codes for engines that take them, else the digests of
@@ -497,7 +503,8 @@ class PolicyTrainer:
         if options is None or not (options.codes or self.cfg.rollout.verify_push):
             return None
         if self._units is None:
-            self._units = engine_units(self.hf, options.recipe.groups)
+            engine = self.engines[0]
+            self._units = engine_units(self.hf, options.recipe.groups, engine.tp_size, engine.ep_size)
         return CodePush(options.recipe.spec, self._units, send=options.codes, quantizer=REQUANTS[options.requant],
                         verify=self.cfg.rollout.verify_push)
 
@@ -608,7 +615,8 @@ class PolicyTrainer:
         from qurl_mcore.megatron.export import write_hf_checkpoint
 
         out = write_hf_checkpoint(self.model, self.hf_dir, out_dir,
-                                  uaq_scale=self.cfg.uaq.scale if self.cfg.uaq.enabled else None)
+                                  uaq_scale=self.cfg.uaq.scale if self.cfg.uaq.enabled else None,
+                                  uaq_scope=self.cfg.uaq_scope() or "all")
         return None if out is None else str(out)
 
     def load_checkpoint(self, path: str) -> None:
@@ -699,6 +707,14 @@ def _exported(stream):
         yield from stream
     except Exception as err:  # noqa: BLE001 - every error of the export is the trainer's
         raise WeightExportError(f"exporting this rank's weights: {type(err).__name__}: {err}"[:2000]) from err
+
+
+def _counted(stream, sent: list[int]):
+    """The buckets of `stream`, their bytes added to `sent[0]` as they are taken (the bytes a push put on the
+    wire: codes and scales for a code push)."""
+    for bucket in stream:
+        sent[0] += sum(t.nbytes for _, t in bucket)
+        yield bucket
 
 
 def _answers(engine) -> bool:

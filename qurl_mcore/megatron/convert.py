@@ -324,18 +324,19 @@ def export_hf_weights(
     bucket_bytes: int = 512 * 2**20,
     dtype: torch.dtype | None = None,
     uaq_scale: float | None = None,
+    uaq_scope: str = "all",
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Megatron weights as HF-named full tensors, in buckets of at most `bucket_bytes` (a single larger
     tensor travels alone). Every rank of the model must iterate it (it gathers shards); every rank gets
     the same buckets. `dtype` casts (e.g. torch.bfloat16 for SGLang); `uaq_scale` applies UAQ with that s
-    to the exported tensors (for a model not UAQ-scaled in place)."""
+    over `uaq_scope` to the exported tensors (for a model not UAQ-scaled in place)."""
     hf = load_hf_config(hf_config)
     cast = export_cast(hf, dtype)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in _iter_hf_tensors(model, hf):
             if uaq_scale is not None:
-                tensor = uaq_scale_hf(name, tensor, uaq_scale, hf)
+                tensor = uaq_scale_hf(name, tensor, uaq_scale, hf, uaq_scope)
             yield name, cast(name, tensor)
 
     yield from buckets(tensors(), bucket_bytes)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from qurl_mcore.models.registry import ARCHITECTURES, hf_uaq_role
-from qurl_mcore.uaq import uaq_scale_hf
+from qurl_mcore.uaq import rescales, uaq_scale_hf
 
 from .convert import export_hf_weights
 
@@ -118,17 +118,18 @@ def _commit(partial: Path, out: Path) -> Path:
 
 
 def write_hf_checkpoint(model, source_dir: str | Path, out_dir: str | Path, *, uaq_scale: float | None = None,
-                        dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 2 << 30) -> Path | None:
+                        uaq_scope: str = "all", dtype: torch.dtype = torch.bfloat16,
+                        bucket_bytes: int = 2 << 30) -> Path | None:
     """Write `model` (this rank's shards; every rank calls this) as an HF checkpoint in `out_dir`, with the
     config and tokenizer of `source_dir`, the checkpoint it was loaded from. `uaq_scale`: the s the model is
-    UAQ-scaled by, undone on export. Returns `out_dir` on rank 0, None on the others."""
+    UAQ-scaled by over `uaq_scope`, undone on export. Returns `out_dir` on rank 0, None on the others."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(out_dir)
     partial = _fresh_partial(out) if rank0 else None
     weight_map: dict[str, str] = {}
     unscale = None if uaq_scale is None else 1.0 / uaq_scale
     for k, bucket in enumerate(export_hf_weights(model, source_dir, bucket_bytes=bucket_bytes, dtype=dtype,
-                                                 uaq_scale=unscale)):
+                                                 uaq_scale=unscale, uaq_scope=uaq_scope)):
         if rank0:
             name = f"model-{k + 1:05d}.safetensors"
             save_file({n: t.contiguous().cpu() for n, t in bucket}, str(partial / name), metadata={"format": "pt"})
@@ -147,9 +148,9 @@ def write_hf_checkpoint(model, source_dir: str | Path, out_dir: str | Path, *, u
     return _commit(partial, out)  # whole or absent, like the checkpoints
 
 
-def unscale_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, uaq_scale: float) -> Path:
-    """Rewrite `hf_dir`, an HF checkpoint in the UAQ parameterisation with factor s = `uaq_scale`, into
-    `out_dir` in the model's usual one: each tensor times s^-k, k its role's exponent
+def unscale_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, uaq_scale: float, scope: str = "all") -> Path:
+    """Rewrite `hf_dir`, an HF checkpoint in the UAQ parameterisation with factor s = `uaq_scale` over UAQ scope
+    `scope`, into `out_dir` in the model's usual one: each tensor times s^-k, k its role's exponent
     (`qurl_mcore.uaq.uaq_scale_hf` with 1/s), computed in fp32 and stored in the tensor's own dtype. One
     safetensors file at a time; every other file is copied; `out_dir` appears whole or not at all."""
     src, out = Path(hf_dir), Path(out_dir)
@@ -166,8 +167,8 @@ def unscale_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, uaq_scale: fl
     config = json.loads((src / "config.json").read_text()) if (src / "config.json").exists() else None  # MLA's heads
     for f in files:
         state = load_file(str(f))
-        rescaled += sum(hf_uaq_role(n) is not None for n in state)
-        save_file({n: uaq_scale_hf(n, t, 1.0 / uaq_scale, config).contiguous() for n, t in state.items()},
+        rescaled += sum(rescales((hf_uaq_role(n),), scope) for n in state)
+        save_file({n: uaq_scale_hf(n, t, 1.0 / uaq_scale, config, scope).contiguous() for n, t in state.items()},
                   str(partial / f.name), metadata={"format": "pt"})
     if not rescaled:
         shutil.rmtree(partial)

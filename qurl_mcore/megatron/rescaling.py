@@ -13,19 +13,19 @@ import torch
 
 from qurl_mcore.models.registry import megatron_slot
 from qurl_mcore.models.slots import Slot
-from qurl_mcore.uaq import PER_HEAD_ROLES, UAQ_EXPONENTS, scale_per_head, update_capture_ratio
+from qurl_mcore.uaq import PER_HEAD_ROLES, rescales, scale_per_head, uaq_exponent, update_capture_ratio
 
 from .spec import linear_group
 
 
-def _scale(t: torch.Tensor, slot: Slot, config, s: float) -> None:
-    """Multiply this rank's shard `t` of `slot`'s parameter by s**k of each HF tensor's role, in the slot's
-    layout: whole rows of each local query group [q heads, k, v] (qkv), the halves [gate; up] (gate_up), each
-    head's parts (MLA's [k_nope; v]), or the whole tensor."""
+def _scale(t: torch.Tensor, slot: Slot, config, s: float, scope: str) -> None:
+    """Multiply this rank's shard `t` of `slot`'s parameter by s**k of each HF tensor's role over UAQ scope `scope`
+    (`qurl_mcore.uaq.uaq_exponent`), in the slot's layout: whole rows of each local query group [q heads, k, v]
+    (qkv), the halves [gate; up] (gate_up), each head's parts (MLA's [k_nope; v]), or the whole tensor."""
     if slot.uaq[0] in PER_HEAD_ROLES:
-        t.copy_(scale_per_head(t, slot.uaq[0], (config.qk_head_dim, config.v_head_dim), s))
+        t.copy_(scale_per_head(t, slot.uaq[0], (config.qk_head_dim, config.v_head_dim), s, scope))
         return
-    factors = [s ** UAQ_EXPONENTS[role] for role in slot.uaq]
+    factors = [s ** uaq_exponent(role, scope) for role in slot.uaq]
     if slot.layout == "qkv":
         q_per_group = config.num_attention_heads // config.num_query_groups
         groups = t.view(-1, q_per_group + 2, config.kv_channels, *t.shape[1:])
@@ -39,10 +39,11 @@ def _scale(t: torch.Tensor, slot: Slot, config, s: float) -> None:
         t.mul_(f)
 
 
-def apply_uaq(model: torch.nn.Module, s: float = 1.5) -> list[str]:
-    """Rescale `model` in place so that it computes the same function with every quantized linear's weight
-    divided by s where exact (see `qurl_mcore.uaq`); returns the names of the parameters changed.
-    Needs SwiGLU MLPs and no bias on linear_proj/fc1/fc2 (every architecture of `qurl_mcore.models`)."""
+def apply_uaq(model: torch.nn.Module, s: float = 1.5, scope: str = "all") -> list[str]:
+    """Rescale `model` in place so that it computes the same function with the weight of every quantized linear
+    of UAQ scope `scope` divided by s where exact (see `qurl_mcore.uaq`; "experts": the MLP block only); returns
+    the names of the parameters changed. Needs SwiGLU MLPs and no bias on linear_proj/fc1/fc2 (every
+    architecture of `qurl_mcore.models`)."""
     config = model.config
     if not config.gated_linear_unit or config.add_bias_linear:
         raise NotImplementedError("UAQ here needs a gated MLP (SwiGLU) and add_bias_linear=False")
@@ -52,8 +53,8 @@ def apply_uaq(model: torch.nn.Module, s: float = 1.5) -> list[str]:
     with torch.no_grad():
         for name, param in model.named_parameters():
             slot = megatron_slot(name)
-            if slot is not None and slot.uaq:
-                _scale(param.data, slot, config, s)
+            if slot is not None and rescales(slot.uaq, scope):
+                _scale(param.data, slot, config, s, scope)
                 changed.append(name)
     return changed
 
@@ -74,10 +75,13 @@ def update_capture(
     fmts: Iterable[str] = ("int8", "fp8_e4m3"),
     granularity: str = "channel",
     make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    uaq_scope: str = "all",
+    select: Callable[[str], bool] | None = None,
 ) -> dict[float, dict[str, float]]:
-    """{s: {fmt: update capture ratio}}: for each s, start from `model`'s current weights, apply UAQ(s)
-    (s = 1 is no UAQ), take one optimizer step on `loss_fn(model)` (default Adam, lr 1e-5), and measure the
-    share of quantized-weight entries whose quantized value changed. `model` is restored afterwards."""
+    """{s: {fmt: update capture ratio}}: for each s, start from `model`'s current weights, apply UAQ(s) over
+    `uaq_scope` (s = 1 is no UAQ), take one optimizer step on `loss_fn(model)` (default Adam, lr 1e-5), and
+    measure the share of the entries of the weights `select` names (default: every quantized linear's,
+    `quantized_weights`) whose quantized value changed. `model` is restored afterwards."""
     make_optimizer = make_optimizer or (lambda params: torch.optim.Adam(params, lr=1e-5))
     original = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     fmts = tuple(fmts)
@@ -85,13 +89,13 @@ def update_capture(
     try:
         for s in scales:
             model.load_state_dict(original, strict=False)
-            apply_uaq(model, s)
-            before = quantized_weights(model)
+            apply_uaq(model, s, uaq_scope)
+            before = quantized_weights(model, select)
             optimizer = make_optimizer(model.parameters())
             optimizer.zero_grad()
             loss_fn(model).backward()
             optimizer.step()
-            after = quantized_weights(model)
+            after = quantized_weights(model, select)
             result[s] = {fmt: update_capture_ratio(before, after, fmt, granularity) for fmt in fmts}
     finally:
         model.load_state_dict(original, strict=False)

@@ -1,8 +1,10 @@
 """The trainer's half of a code push (`rollout.push: codes`) and of the refit check (`rollout.verify_push`).
 
 `engine_units` reads, from the architecture table, which HF weights an engine quantizes as one tensor (its unit,
-`qurl_mcore.quant.wire`): the weights of one SGLang module in its order, per layer, and per expert for routed
-experts. `CodePush` turns the BF16 export stream into the code push's stream, bucket by bucket: every weight of a
+`qurl_mcore.quant.wire.Unit`): the weights of one SGLang module in its order, per layer, and per expert for routed
+experts, and how an engine of TP > 1 shards it: along rows for column-parallel linears (q/k/v, gate/up), along
+columns for row-parallel ones (o_proj, down_proj), over the engine's TP ranks, or for routed experts over its
+expert-TP ranks (TP / EP: an engine of EP = TP holds whole experts, each on one rank). `CodePush` turns the BF16 export stream into the code push's stream, bucket by bucket: every weight of a
 unit becomes codes and scales (`quant.wire.encode_unit`, quantized once, with the engine's recipe); everything
 else stays in full precision (embeddings, norms, routers, biases, the output layer, linears outside the scope).
 It holds a unit's members until the last of them arrives (a unit never spans more than two adjacent buckets in
@@ -11,7 +13,7 @@ one handle to pass to the engine instead of two or three per weight. It records 
 `compare_digests` checks against the one the engine reports of what it installed.
 
 What stays full precision in a code push of a quantized engine is exactly what the engine does not quantize.
-Where code pushes serve (engines of TP 1, tensor pushes, no MLA attention in scope) is `Config.push_mode`.
+Where code pushes serve (tensor pushes, no MLA attention in scope) is `Config.push_mode`.
 """
 from __future__ import annotations
 
@@ -25,13 +27,18 @@ import torch
 from qurl_mcore.models.registry import architecture, config_dict, slots
 from qurl_mcore.models.slots import config_experts, dense_layers
 from qurl_mcore.quant import QTensor, QuantLinearSpec, quantize_weight
-from qurl_mcore.quant.wire import NamedTensor, digest, encode_unit, has_global_scale, wire_specs
+from qurl_mcore.quant.wire import (COLUMNS, ROWS, NamedTensor, Unit, digest, encode_unit, has_global_scale,
+                                   unit_digest, wire_specs)
 from qurl_mcore.transfer import packed
 
 
-def engine_units(hf_config: Any, groups: frozenset[str]) -> dict[str, tuple[str, ...]]:
-    """HF weight name -> its unit (the HF weight names the engine quantizes as one tensor, in its row order), for
-    every weight of the linear `groups` an engine quantizes (`EngineRecipe.groups`)."""
+def engine_units(hf_config: Any, groups: frozenset[str], tp: int = 1, ep: int = 1) -> dict[str, Unit]:
+    """HF weight name -> its unit (the HF weight names the engine quantizes as one tensor, in its row order, and
+    their split over the engine's ranks), for every weight of the linear `groups` an engine of tensor parallelism
+    `tp` and expert parallelism `ep` quantizes (`EngineRecipe.groups`)."""
+    if tp % ep:
+        raise ValueError(f"an engine's expert parallelism ({ep}) must divide its tensor parallelism ({tp}), as "
+                         "SGLang requires")
     c = config_dict(hf_config)
     n_dense = dense_layers(architecture(c).config(c))
     units: dict[str, tuple[str, ...]] = {}
@@ -39,11 +46,13 @@ def engine_units(hf_config: Any, groups: frozenset[str]) -> dict[str, tuple[str,
         if not slot.quantizable or slot.group not in groups:
             continue
         modules = slot.sglang_modules() or tuple((None, (t,)) for t in slot.hf)
+        split = COLUMNS if slot.layout == "columns" else ROWS
+        shards = tp // ep if slot.per_expert else tp
         for layer in slot.layer_range(c["num_hidden_layers"], n_dense) if slot.per_layer else [None]:
             for expert in range(config_experts(c)) if slot.per_expert else [None]:
                 for _, tensors in modules:
-                    unit = tuple(t.format(layer=layer, expert=expert) for t in tensors)
-                    units.update(dict.fromkeys(unit, unit))
+                    unit = Unit(tuple(t.format(layer=layer, expert=expert) for t in tensors), split, shards)
+                    units.update(dict.fromkeys(unit.names, unit))
     return units
 
 
@@ -53,7 +62,7 @@ class CodePush:
     the digests; `quantizer` is `quantize_weight` or its compiled twin (`rollout.requant`); `verify` False
     records no digests. After the stream is consumed, `digests` maps each unit's first HF weight to its digest."""
 
-    def __init__(self, spec: QuantLinearSpec, units: dict[str, tuple[str, ...]], send: bool = True,
+    def __init__(self, spec: QuantLinearSpec, units: dict[str, Unit], send: bool = True,
                  quantizer: Callable[[torch.Tensor, QuantLinearSpec], QTensor] = quantize_weight,
                  verify: bool = True):
         self.spec, self.units, self.send, self.quantizer, self.verify = spec, units, send, quantizer, verify
@@ -61,10 +70,10 @@ class CodePush:
 
     def buckets(self, stream: Iterable[list[NamedTensor]]) -> Iterator[list[NamedTensor]]:
         """The code push's buckets of the export's (or the BF16 buckets themselves, `send` False)."""
-        pending: dict[tuple[str, ...], dict[str, Any]] = {}
+        pending: dict[Unit, dict[str, Any]] = {}
         for bucket in stream:
             out: list[NamedTensor] = []
-            whole: list[tuple[str, ...]] = []
+            whole: list[Unit] = []
             for name, w in bucket:
                 unit = self.units.get(name)
                 if unit is None:
@@ -74,16 +83,15 @@ class CodePush:
                 held[name] = w
                 if not self.send:
                     out.append((name, w))
-                if len(held) == len(unit):
+                if len(held) == len(unit.names):
                     whole.append(unit)
-            members = [[(n, pending[unit][n]) for n in unit] for unit in whole]
-            for unit in whole:
-                del pending[unit]
+            members = [(unit, [(n, held[n]) for n in unit.names]) for unit, held in
+                       [(unit, pending.pop(unit)) for unit in whole]]
             codes: list[NamedTensor] = []
             with _ops_on_one_thread() as threads:
-                for unit, (wire, unit_digest) in zip(whole, self._encode(members, threads)):
-                    if unit_digest is not None:
-                        self.digests[unit[0]] = unit_digest
+                for unit, (wire, fingerprint) in zip(whole, self._encode(members, threads)):
+                    if fingerprint is not None:
+                        self.digests[unit.names[0]] = fingerprint
                     if self.send:
                         codes += wire
                 out += packed(codes)
@@ -92,33 +100,36 @@ class CodePush:
         if pending and self.send:
             yield packed(self._partial(pending))
 
-    def _encode(self, units: list[list[NamedTensor]], threads: int) -> list[tuple[list[NamedTensor], str | None]]:
-        """(wire tensors, digest or None) of each unit of a bucket (`encode_unit`), on the host side by side on
-        `threads` threads (`_ops_on_one_thread`). The compiled quantizer stays on the calling thread: its
-        compilation is not thread-safe."""
-        def encode(members: list[NamedTensor]) -> tuple[list[NamedTensor], str | None]:
-            wire, q = encode_unit(members, self.spec, self.quantizer)
-            return wire, digest(q) if self.verify else None
+    def _encode(self, units: list[tuple[Unit, list[NamedTensor]]], threads: int,
+                ) -> list[tuple[list[NamedTensor], str | None]]:
+        """(wire tensors, digest or None) of each (unit, its members) of a bucket (`encode_unit`), on the host
+        side by side on `threads` threads (`_ops_on_one_thread`). The compiled quantizer stays on the calling
+        thread: its compilation is not thread-safe."""
+        def encode(job: tuple[Unit, list[NamedTensor]]) -> tuple[list[NamedTensor], str | None]:
+            unit, members = job
+            wire, qs = encode_unit(members, self.spec, self.quantizer, unit.split, unit.shards)
+            return wire, unit_digest([digest(q) for q in qs]) if self.verify else None
 
-        if threads == 1 or not units or units[0][0][1].device.type != "cpu" or self.quantizer is not quantize_weight:
-            return [encode(members) for members in units]
+        on_host = bool(units) and units[0][1][0][1].device.type == "cpu"
+        if threads == 1 or not on_host or self.quantizer is not quantize_weight:
+            return [encode(job) for job in units]
         with ThreadPoolExecutor(threads, thread_name_prefix="qurl-code-push") as pool:
             return list(pool.map(encode, units))
 
-    def _partial(self, pending: dict[tuple[str, ...], dict[str, Any]]) -> list[NamedTensor]:
+    def _partial(self, pending: dict[Unit, dict[str, Any]]) -> list[NamedTensor]:
         """The members of units pushed in part (a partial update): their rows alone, which the engine quantizes
         the same way, unless a global scale ties them to the unit's other rows (NVFP4). Not digested: the
         engine's unit holds rows this push did not carry."""
         if has_global_scale(self.spec):
             unit, held = next(iter(pending.items()))
-            missing = [n for n in unit if n not in held]
+            missing = [n for n in unit.names if n not in held]
             raise ValueError(f"a partial code push of {self.spec.fmt} needs whole units: {missing[0]} is missing "
                              f"beside {next(iter(held))} (their per-tensor scale is one); push the whole unit or "
                              "use rollout.push=bf16")
         out: list[NamedTensor] = []
-        for held in pending.values():
+        for unit, held in pending.items():
             for name, w in held.items():
-                out += encode_unit([(name, w)], self.spec, self.quantizer)[0]
+                out += encode_unit([(name, w)], self.spec, self.quantizer, unit.split, unit.shards)[0]
         return out
 
 
@@ -139,12 +150,13 @@ def _ops_on_one_thread() -> Iterator[int]:
 
 
 def push_specs(shapes: dict[str, list[int]], spec: QuantLinearSpec,
-               units: dict[str, tuple[str, ...]]) -> dict[str, tuple[Any, list[int]]]:
+               units: dict[str, Unit]) -> dict[str, tuple[Any, list[int]]]:
     """name -> (dtype, shape) of every tensor a code push may send for a checkpoint of HF tensor `shapes`: the wire
     tensors of each weight in `units`, every other tensor as it is (dtype None: any floating dtype)."""
     out: dict[str, tuple[Any, list[int]]] = {}
     for name, shape in shapes.items():
-        out.update(wire_specs(name, shape, spec) if name in units else {name: (None, list(shape))})
+        unit = units.get(name)
+        out.update(wire_specs(name, shape, spec, unit.split, unit.shards) if unit else {name: (None, list(shape))})
     return out
 
 
@@ -152,7 +164,7 @@ def compare_digests(push: CodePush, installed: dict[str, str]) -> list[str]:
     """What disagrees between a push's digests (`CodePush.digests`) and an engine's report of its installed codes
     (`sglang.weights.installed_digests`), one line per unit: a unit quantized on one side only, or codes that
     differ. Units a partial push did not carry whole are not compared."""
-    ours = {unit[0] for unit in push.units.values()}
+    ours = {unit.names[0] for unit in push.units.values()}
     problems = [f"{n}: quantized by the engine only (the trainer holds it in full precision)"
                 for n in sorted(installed.keys() - ours)]
     problems += [f"{n}: quantized by the trainer only (the engine holds it in full precision)"

@@ -151,6 +151,11 @@ class RolloutEngine(ABC):
         """Tensor-parallel ranks of the engine: its ranks in a weight group."""
         return int(self.config.extra.get("tp_size", 1))
 
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel ranks of the engine (SGLang's ep_size: its TP ranks split the routed experts)."""
+        return int(self.config.extra.get("ep_size", 1))
+
     def _update_session(self, call: str, updates: Iterable[dict], version: str) -> int:
         """One SGLang update session: begin_weight_update, `call` with each kwargs of `updates` (one bucket
         each, taken from `updates` only when it is sent, so a generator streams), end_weight_update
@@ -264,7 +269,8 @@ class RolloutEngine(ABC):
         if not (self.codes and shapes):
             return {name: (None, shape) for name, shape in shapes.items()}
         recipe = self.config.options().recipe
-        return push_specs(shapes, recipe.spec, engine_units(self.config.model_path, recipe.groups))
+        units = engine_units(self.config.model_path, recipe.groups, self.tp_size, self.ep_size)
+        return push_specs(shapes, recipe.spec, units)
 
     def installed_digests(self) -> dict[str, str]:
         """HF name of each quantized unit's first weight -> the digest of the codes and scales the engine serves

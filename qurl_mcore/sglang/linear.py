@@ -3,6 +3,7 @@ for the refit cycle)."""
 from __future__ import annotations
 
 import torch
+from sglang.srt.distributed.utils import get_group_rank_size
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 from sglang.srt.utils import set_weight_attrs
 
@@ -45,7 +46,8 @@ class QurlLinearMethod(LinearMethodBase):
 
     def restore_weights_before_loading(self, layer) -> None:
         if self.options.codes:  # SGLang's own loader shards codes and scales by rows and columns as it does W
-            weights.attach_codes(layer, "weight", layer.qurl_weight, layer.weight_loader, weights.copy_whole)
+            rank, _ = get_group_rank_size(layer.tp_group)
+            weights.attach_codes(layer, "weight", layer.qurl_weight, layer.weight_loader, weights.rank_of(rank))
         else:
             weights.attach_master(layer, "weight")
 

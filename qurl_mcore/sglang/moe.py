@@ -14,6 +14,7 @@ from sglang.srt.utils import set_weight_attrs
 from qurl_mcore import kernels as fp4_kernels
 from qurl_mcore.kernels.fp4_moe import fp4_experts
 from qurl_mcore.quant.experts import experts_forward
+from qurl_mcore.quant.wire import COLUMNS, ROWS, shard
 
 from . import kernels, weights
 from .options import REQUANTS, QurlOptions
@@ -23,18 +24,25 @@ _WEIGHTS = ("w13_weight", "w2_weight")
 
 def expert_rows_loader(layer, name: str):
     """A weight loader for one of a code push's stacked expert tensors (`name`: w13_weight or w2_weight, or its
-    scales): an expert's gate rows (shard w1) fill the first half of its w13 rows, its up rows (w3) the second,
-    its down rows (w2) all of w2; a global scale ([E]) takes the expert's one value. Experts of other EP ranks
-    are skipped, as SGLang's loader skips them; the code push's units are whole experts (expert TP 1)."""
+    scales), sharded as SGLang's FusedMoE shards the full-precision experts (`_load_w13`, `_load_w2`): an
+    expert's gate rows (shard w1) fill the first half of its w13 rows, its up rows (w3) the second, each this
+    rank's rows of the expert's (expert-TP) shard; its down codes and scales (w2) this rank's columns; a global
+    scale ([E]) takes this rank's value of the expert's ([shards], `quant.wire`). Experts of other EP ranks are
+    skipped, as SGLang's loader skips them."""
+    split = ROWS if name == "w13_weight" else COLUMNS
+
     def load(param, loaded: torch.Tensor, weight_name: str, shard_id: str, expert_id: int) -> None:
         expert = layer._map_global_expert_id_to_local_expert_id(expert_id)
         if expert == -1:
             return
         rows = param.data[expert]
-        if rows.dim() and name == "w13_weight":
+        if not rows.dim():  # the expert's global scale
+            rows.copy_(loaded.reshape(-1)[layer.moe_tp_rank])
+            return
+        if name == "w13_weight":
             half = rows.shape[0] // 2
             rows = rows[:half] if shard_id == "w1" else rows[half:]
-        rows.copy_(loaded)
+        rows.copy_(shard(loaded, split, layer.moe_tp_rank, layer.moe_tp_size))
 
     return load
 

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from qurl_mcore.quant import QTensor
-from qurl_mcore.quant.wire import GLOBAL_SCALE, SCALE
+from qurl_mcore.quant.wire import GLOBAL_SCALE, SCALE, unit_digest
 
 _MASTERS = "_qurl_masters"
 _HOMES = "_qurl_homes"
@@ -71,15 +71,30 @@ def register() -> None:
 
 
 def report_digests(original: Callable, exporter, name: str, truncate_size: int = 100):
-    """SGLang's `get_weights_by_name`, except that the name `DIGESTS` answers `installed_digests` of the model."""
+    """SGLang's `get_weights_by_name`, except that the name `DIGESTS` answers `installed_digests` of the model,
+    gathered over the engine's TP ranks (every rank runs the request; the first rank's answer is returned):
+    `quant.wire.unit_digest` of each unit's shards in rank order, as the trainer computes it."""
     if name != DIGESTS:
         return original(exporter, name, truncate_size)
-    return installed_digests(exporter.get_model())
+    from sglang.srt.distributed import get_tp_group
+
+    local = installed_digests(exporter.get_model())
+    group = get_tp_group()
+    if group.world_size == 1:
+        return local
+    ranks: list[dict[str, str]] = [{}] * group.world_size
+    torch.distributed.all_gather_object(ranks, local, group=group.cpu_group)  # digests cross ranks, not codes
+    out: dict[str, list[str]] = {}
+    for answer in ranks:
+        for n, d in answer.items():
+            out.setdefault(n, []).append(d)
+    return {n: unit_digest(ds) for n, ds in out.items()}
 
 
 def installed_digests(model: torch.nn.Module) -> dict[str, str]:
-    """HF name of each unit's first weight -> `quant.wire.digest` of the codes and scales this engine serves it
-    with, for every quantized layer (a FusedMoE: per expert, w13 under its gate weight, w2 under its down one)."""
+    """HF name of each unit's first weight -> `quant.wire.digest` of the codes and scales this engine rank serves
+    its shard with, for every quantized layer (a FusedMoE: per expert of this rank, w13 under its gate weight, w2
+    under its down one)."""
     # the engine's module names and the architecture tables only where an engine answers
     from qurl_mcore.models.registry import sglang_linears
     from qurl_mcore.quant.wire import digest
@@ -92,13 +107,18 @@ def installed_digests(model: torch.nn.Module) -> dict[str, str]:
         if hasattr(module, "qurl_weight"):
             out[sglang_linears(prefix)[1][0] + ".weight"] = digest(module.qurl_weight)
         elif hasattr(module, "qurl_w13_weight_experts"):
-            experts = module.qurl_w13_weight_experts
-            names = sglang_linears(prefix, len(experts))[1]
-            per = len(names) // len(experts)  # an expert's gate, up, down
-            for e, (w13, w2) in enumerate(zip(experts, module.qurl_w2_weight_experts)):
-                out[names[e * per] + ".weight"] = digest(w13)
-                out[names[e * per + per - 1] + ".weight"] = digest(w2)
+            names = sglang_linears(prefix, module.num_experts)[1]
+            per = len(names) // module.num_experts  # an expert's gate, up, down
+            for e, (w13, w2) in enumerate(zip(module.qurl_w13_weight_experts, module.qurl_w2_weight_experts)):
+                g = global_expert(module, e)
+                out[names[g * per] + ".weight"] = digest(w13)
+                out[names[g * per + per - 1] + ".weight"] = digest(w2)
     return out
+
+
+def global_expert(layer: torch.nn.Module, local: int) -> int:
+    """The global id of a FusedMoE's local expert `local` (SGLang maps global ids to local ones only)."""
+    return next(g for g in range(layer.num_experts) if layer._map_global_expert_id_to_local_expert_id(g) == local)
 
 
 def masters_stay_put(original: Callable, module: torch.nn.Module, target_device: torch.device):
@@ -136,10 +156,11 @@ def release(layer: torch.nn.Module, name: str) -> None:
 def attach_codes(layer: torch.nn.Module, name: str, q: QTensor, loader: Callable,
                  global_loader: Callable | None = None) -> None:
     """Register `q`'s codes as Parameter `name` and its scales as `name` + SCALE (and + GLOBAL_SCALE), over the
-    very storage that serves the forward, with `loader` as their weight loader (rows along dim 0, the codes'
-    columns along dim 1) and `global_loader` for the global scale."""
+    very storage that serves the forward, with `loader` as their weight loader (rows along dim 0, columns, of
+    the codes and of the scales, along dim 1: a row-parallel loader picks its column shard's, `quant.wire`) and
+    `global_loader` for the global scale."""
     params = {name: (q.data, {"output_dim": 0, "input_dim": 1, "weight_loader": loader}),
-              name + SCALE: (q.scale, {"output_dim": 0, "weight_loader": loader})}
+              name + SCALE: (q.scale, {"output_dim": 0, "input_dim": 1, "weight_loader": loader})}
     if q.global_scale is not None:
         params[name + GLOBAL_SCALE] = (q.global_scale, {"weight_loader": global_loader or loader})
     for pname, (tensor, attrs) in params.items():
@@ -158,9 +179,13 @@ def detach_codes(layer: torch.nn.Module) -> bool:
     return names is not None
 
 
-def copy_whole(param: torch.nn.Parameter, loaded: torch.Tensor, *args, **kwargs) -> None:
-    """A weight loader for a unit's global scale: every member of a unit carries the same value."""
-    param.data.copy_(loaded)
+def rank_of(rank: int) -> Callable:
+    """A weight loader for a unit's global scales ([shards]: one per engine shard, the same on every member of
+    the unit, `quant.wire`): shard `rank`'s."""
+    def load(param: torch.nn.Parameter, loaded: torch.Tensor, *args, **kwargs) -> None:
+        param.data.copy_(loaded.reshape(-1)[rank])
+
+    return load
 
 
 def home(layer: torch.nn.Module, name: str) -> torch.device:

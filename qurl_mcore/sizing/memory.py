@@ -291,7 +291,7 @@ def engine_weights(s: Shape, precision: str, scope: str, fmt: str | None, dtype:
     b = _DTYPE_BYTES[dtype]
     out = dict.fromkeys(("quantized", "full", "masters", "experts", "embedding", "replicated"), 0)
     for x in hf_tensors(s):
-        n = FORMATS[fmt].weight_bytes(*x.shape) if x.name in names else x.numel * b
+        n = FORMATS[fmt].weight_bytes(*x.shape) if x.name in names else x.bytes(b)
         out["quantized" if x.name in names else "full"] += n
         out["masters"] += x.numel * b if x.name in names else 0
         out["experts"] += n if x.kind == "experts" else 0
@@ -320,7 +320,7 @@ def engine_bytes(s: Shape, cfg: Config, gpu: GPU, master: str = "host", kv_token
     `precision` None: the config's; "bf16" sizes the same engine unquantized. Engines that take code pushes
     (`Config.push_mode`) keep no masters: `master` is then "none"."""
     tp = cfg.rollout.tp_size
-    master = "none" if cfg.push_mode(s.mla) == "codes" else master
+    master = "none" if cfg.push_mode(s) == "codes" else master
     row, scope, fmt = cfg.resolved_precision()
     w = engine_weights(s, precision or row.name, scope, fmt, cfg.rollout.dtype, tp)
     reserve, graphs = sglang_reserve(gpu, tp)

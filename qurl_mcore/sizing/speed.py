@@ -18,15 +18,16 @@ from .tensors import _DTYPE_BYTES, _quantized, hf_tensors, parameter_count
 # ---- weight push ------------------------------------------------------------------------------------------
 
 def push_bytes(s: Shape, cfg: Config) -> dict[str, Any]:
-    """One weight push: every HF tensor in rollout.dtype, or for a code push (`Config.push_mode`) each weight the
-    engines quantize as its codes and scales (`FormatSpec.weight_bytes`), in export order, grouped greedily into
-    buckets of at most rollout.push_bucket_mb MiB (a larger tensor travels alone: `transfer.buckets`)."""
+    """One weight push: every HF tensor in rollout.dtype (the router's expert bias in fp32), or for a code push
+    (`Config.push_mode`) each weight the engines quantize as its codes and scales (`FormatSpec.weight_bytes`), in
+    export order, grouped greedily into buckets of at most rollout.push_bucket_mb MiB (a larger tensor travels
+    alone: `transfer.buckets`)."""
     b, limit = _DTYPE_BYTES[cfg.rollout.dtype], cfg.rollout.push_bucket_mb << 20
     row, scope, fmt = cfg.resolved_precision()
-    codes = _quantized(s, row.name, scope, "rollout") if cfg.push_mode(s.mla) == "codes" else frozenset()
+    codes = _quantized(s, row.name, scope, "rollout") if cfg.push_mode(s) == "codes" else frozenset()
     buckets, size, largest, total = 0, 0, 0, 0
     for x in hf_tensors(s, cfg.train.pp_size, cfg.train.ep_size):
-        n = FORMATS[fmt].weight_bytes(*x.shape) if x.name in codes else x.numel * b
+        n = FORMATS[fmt].weight_bytes(*x.shape) if x.name in codes else x.bytes(b)
         largest, total = max(largest, n), total + n
         if buckets == 0 or size + n > limit:
             buckets, size = buckets + 1, 0

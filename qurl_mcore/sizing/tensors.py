@@ -36,12 +36,18 @@ class Tensor:
     """One HF tensor: its name, shape, layer (None: embedding, final norm, lm_head) and kind, the group of its
     slot in the architecture table (`qurl_mcore.models.slots.GROUPS`), which says how it is sharded: vocab rows
     (embedding, output), replicated (norm, router), over TP (attention with its biases, mlp, shared_experts)
-    or over EP and ETP (experts)."""
+    or over EP and ETP (experts). `fp32`: the tensor stays fp32 whatever rollout.dtype (`Slot.fp32`, the router's
+    expert bias: `megatron.convert.export_cast`)."""
 
     name: str
     shape: tuple[int, ...]
     layer: int | None
     kind: str
+    fp32: bool = False
+
+    def bytes(self, dtype_bytes: int) -> int:
+        """Its bytes in a push or an engine whose rollout.dtype has `dtype_bytes` a value."""
+        return self.numel * (4 if self.fp32 else dtype_bytes)
 
     @property
     def numel(self) -> int:
@@ -79,7 +85,7 @@ def _layer_tensors(s: Shape, slots: tuple[Slot, ...], i: int, ep: int) -> list[l
     the order `megatron.export_hf_weights` yields them under EP: local expert j of each EP rank r."""
     local = s.experts // ep if s.experts else 0
     order = [r * local + j for j in range(local) for r in range(ep)]
-    return [[Tensor(t.format(layer=i, expert=e), shape, i, slot.group)
+    return [[Tensor(t.format(layer=i, expert=e), shape, i, slot.group, slot.fp32)
              for e in (order if slot.per_expert else [None]) for t, shape in zip(slot.hf, slot.shapes(s))]
             if i in s.slot_layers(slot) else [] for slot in slots if slot.per_layer]
 
@@ -93,7 +99,7 @@ def hf_tensors(s: Shape, pp: int = 1, ep: int = 1) -> tuple[Tensor, ...]:
         raise ValueError(f"train.pp_size: {pp} must divide the model's {s.layers} layers")
     slots = tuple(x for x in ARCHITECTURES[s.model_type].slots_with(s.features) if x.exported)
     first = next(k for k, x in enumerate(slots) if x.per_layer)
-    ends = [[Tensor(t, shape, None, x.group) for t, shape in zip(x.hf, x.shapes(s))]
+    ends = [[Tensor(t, shape, None, x.group, x.fp32) for t, shape in zip(x.hf, x.shapes(s))]
             for x in slots if not x.per_layer]
     before, after = ends[:first], ends[first:]
     per = s.layers // pp

@@ -382,16 +382,20 @@ def test_uaq_hook_scales_once_and_the_optimizer_keeps_it(megatron_ws1):
 
 def test_uaq_hook_refuses_what_it_cannot_rescale():
     """slime's default (Transformer Engine) layers fuse the norms into linear_qkv/linear_fc1, names apply_uaq
-    does not rescale; and UAQ belongs to QuRL's 8-bit precisions only."""
+    does not rescale; and UAQ belongs to the precisions with a UAQ scope, each on its scope."""
     layer = torch.nn.Module()
     layer.linear_qkv = torch.nn.Module()
     layer.linear_qkv.layer_norm_weight = torch.nn.Parameter(torch.ones(4))
     with pytest.raises(ValueError, match="--custom-model-provider-path qurl_mcore.integrations.slime.model_provider"):
         S.uaq_hook(Namespace(qurl_precision="int8", sglang_quantization="qurl_int8", finetune=True), 0, 0, [layer],
                    None, None)
-    with pytest.raises(ValueError, match="not precision 'fp4_rc'"):
-        S.uaq_hook(Namespace(qurl_precision="fp4_rc", sglang_quantization="qurl_fp4_rc", finetune=True), 0, 0,
+    with pytest.raises(ValueError, match="not precision 'fp4_rc_train'.*drop --custom-megatron-before-train"):
+        S.uaq_hook(Namespace(qurl_precision="fp4_rc_train", sglang_quantization="qurl_fp4", finetune=True), 0, 0,
                    [layer], None, None)
+    with pytest.raises(ValueError, match="set scope=experts"):
+        S.uaq_hook(Namespace(qurl_precision="fp4_rc", qurl_scope="all", sglang_quantization="qurl_fp4_rc",
+                             sglang_json_model_override_args='{"quantization_config": {"quant_method": '
+                             '"qurl_fp4_rc", "scope": "all"}}', finetune=True), 0, 0, [layer], None, None)
 
 
 

@@ -59,6 +59,27 @@ def wait_for_step(run_dir: Path, process: subprocess.Popen, step: int, timeout: 
         time.sleep(0.5)
 
 
+def assert_code_pushes(run_dir: Path, *overrides: str) -> None:
+    """Every step of the run (of these overrides) pushed codes: the bytes the plan gives for its code push
+    (`sizing.push_bytes`, fewer than a BF16 push's), and the refit check compared every unit the engine
+    quantizes and found it equal (`rollout.verify_push`)."""
+    from qurl_mcore.config import load_config
+    from qurl_mcore.models import resolve_model_path
+    from qurl_mcore.models.registry import shape
+    from qurl_mcore.rollout.codes import engine_units
+    from qurl_mcore.sizing import model_config, push_bytes
+
+    cfg = load_config(None, [*TINY, *overrides])
+    s = shape(model_config(cfg.model.path)[0])
+    planned = push_bytes(s, cfg)
+    assert planned["codes"] and cfg.push_mode(s.mla) == "codes"
+    bf16 = push_bytes(s, load_config(None, [*TINY, *overrides, "rollout.push=bf16"]))["bytes"]
+    units = set(engine_units(resolve_model_path(cfg.model.path), cfg.recipe().engine.groups).values())
+    for r in metrics(run_dir):
+        assert r["push/bytes"] == planned["bytes"] < bf16, r["step"]
+        assert r["push/verified_units"] == len(units), r["step"]
+
+
 def model_state(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
     """The step and the model tensors of the run's newest checkpoint that verifies."""
     path = latest_checkpoint(run_dir / "ckpt")

@@ -63,10 +63,18 @@ def test_cross_field_rules_are_preflights():
 
     assert "data.path: task 'file' needs" in preflight(load_config(None, ["data.task=file"])).report()
     assert "grpo compares samples" in preflight(load_config(None, ["rollout.samples_per_prompt=1"])).report()
-    text = preflight(load_config(None, ["precision=fp4_rc"])).report()
-    assert "UAQ rescales a full-precision trainer for an 8-bit rollout (precision int8 or fp8), not precision " \
-           "'fp4_rc'; set uaq.enabled=false" in text
-    assert preflight(load_config(None, ["precision=fp4_rc", "uaq.enabled=false"])).ok
+    text = preflight(load_config(None, ["precision=fp4_rc_train"])).report()
+    assert "uaq.enabled: UAQ rescales the weights that a quantized rollout re-quantizes, for precision int8 (scope " \
+           "all), fp8 (scope all), fp4 (scope experts), fp4_rc (scope experts); not precision 'fp4_rc_train': set " \
+           "uaq.enabled=false" in text
+    assert preflight(load_config(None, ["precision=fp4_rc_train", "uaq.enabled=false"])).ok
+    text = preflight(load_config(None, ["precision=fp4_rc", "scope=all"])).report()
+    assert "uaq.enabled: UAQ on precision 'fp4_rc' rescales scope experts only, and scope all also quantizes " \
+           "['attention', 'shared_experts']: set scope=experts, or uaq.enabled=false" in text
+    checked = preflight(load_config(None, ["precision=fp4_rc"]))
+    assert checked.ok and "uaq         on, s = 1.5, scope experts" in checked.report()
+    int8_experts = preflight(load_config(None, ["precision=int8", "scope=experts"]))
+    assert "uaq         on, s = 1.5, scope all" in int8_experts.report()  # QuRL's UAQ rescales every linear
 
 
 def test_missing_or_malformed_file(tmp_path):

@@ -20,18 +20,23 @@ import torch
 
 from qurl_mcore.checkpoint import model_tensors
 from qurl_mcore.loop.report import PANELS
-from tests.loop.runs import GREEDY, command, metrics, model_state, start, train, wait_for_step
+from tests.loop.runs import GREEDY, assert_code_pushes, command, metrics, model_state, start, train, wait_for_step
 
 KEYS = ("reward/mean", "loss/policy", "mismatch/kl_k3", "mismatch/abs_logprob_diff", "clip_frac/high",
         "is_ratio/mean", "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "time/rollout", "time/push",
-        "time/train_step", "train/grad_norm", "rollout/engine_restarts")
+        "push/bytes", "push/verified_units", "time/train_step", "train/grad_norm", "rollout/engine_restarts")
+
+
+#: code pushes where they serve: the one-node runs push the trainer's INT8 codes, the disaggregated run's broadcast
+#: sends BF16 that its engine re-quantizes, and yet matches them number for number
+PUSH = "rollout.push=auto"
 
 
 @pytest.fixture(scope="module")
 def dense_run(tmp_path_factory):
-    """Tiny Llama, INT8 rollout, ACR, UAQ: three uninterrupted steps."""
+    """Tiny Llama, INT8 rollout (code pushes), ACR, UAQ: three uninterrupted steps."""
     run_dir = tmp_path_factory.mktemp("dense")
-    train(run_dir, "model.path=tiny-llama", "steps=3", *GREEDY)
+    train(run_dir, "model.path=tiny-llama", "steps=3", PUSH, *GREEDY)
     return run_dir
 
 
@@ -43,6 +48,7 @@ def test_dense_loop_logs_every_metric_checkpoints_and_reports(dense_run):
         assert all(key in r for r in records), key
     assert all(r["train/skipped_nonfinite"] == 0 and r["train/skipped_no_signal"] == 0 for r in records)
     assert all(r["uaq/update_capture"] > 0 for r in records)  # every step moved some INT8 codes
+    assert_code_pushes(dense_run, "model.path=tiny-llama", PUSH, *GREEDY)
     assert records[0]["mismatch/abs_logprob_diff"] > 0  # INT8 rollout vs full-precision trainer
     assert (dense_run / "logs" / "report.html").is_file()
     # held-out eval is off here (test_eval.py), and a dense model has no routing to compare
@@ -67,15 +73,17 @@ def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run(dense_run, 
     # the step in progress gets all the time it needs to end and be checkpointed (on this loaded machine a step
     # may take longer than the default checkpoint.stop_grace_s, after which the run would exit without it)
     process = start(tmp_path, "model.path=tiny-llama", "steps=3", "checkpoint.async_save=true",
-                    "checkpoint.stop_grace_s=600", *GREEDY, own_group=True)
+                    "checkpoint.stop_grace_s=600", PUSH, *GREEDY, own_group=True)
     wait_for_step(tmp_path, process, 1)
     os.killpg(process.pid, signal.SIGTERM)
     assert process.wait(timeout=300) == 75  # EXIT_STOPPED: checkpoint written, run the same command to resume
     out = (tmp_path / "out.log").read_text()
     stopped_at, _ = model_state(tmp_path)
     assert "SIGTERM at step" in out and stopped_at < 3, out[-3000:]
-    train(tmp_path, "model.path=tiny-llama", "steps=3", "checkpoint.async_save=true", *GREEDY)
+    train(tmp_path, "model.path=tiny-llama", "steps=3", "checkpoint.async_save=true", PUSH, *GREEDY)
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+    # the resumed run's code pushes passed the refit check every step
+    assert_code_pushes(tmp_path, "model.path=tiny-llama", PUSH, *GREEDY)
     step, resumed = model_state(tmp_path)
     ref_step, reference = model_state(dense_run)
     assert step == ref_step == 3
@@ -109,12 +117,14 @@ def test_disaggregated_across_two_nodes_matches_the_one_node_run(dense_run, netn
     `transfer.bind_gloo_towards`.) The one-node disaggregated layout is this run with both nodes' tags on one."""
     nodes = netns_nodes(2)
     head = nodes.start_ray({1: '{"qurl_train": 1}', 2: '{"qurl_rollout": 1}'}, tmp_path)
-    argv = command(tmp_path, "model.path=tiny-llama", "steps=2", "layout=disaggregated", *GREEDY)
+    argv = command(tmp_path, "model.path=tiny-llama", "steps=2", "layout=disaggregated", PUSH, *GREEDY)
     argv[4:4] = ["--address", head]  # qurl train --address HEAD overrides...
     done = nodes.run(1, *argv, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert f"weights go to the engines by gloo broadcast (group at {nodes.addr(1)}:" in out
+    # its broadcast sends BF16, which the engine re-quantizes, the one-node run's pushes codes: the same numbers
+    assert all(a["push/bytes"] > b["push/bytes"] for a, b in zip(metrics(tmp_path), metrics(dense_run)))
     _assert_same_two_steps(tmp_path, dense_run)
 
 
@@ -128,7 +138,7 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(dense_run, tmp_
     shutil.copytree(dense_run / "logs", tmp_path / "logs", ignore=shutil.ignore_patterns("tensorboard"))
     rank0 = tmp_path / "ckpt" / "step_00000003" / "trainer" / "__0_0.distcp"
     rank0.write_bytes(rank0.read_bytes()[:1000])
-    out = train(tmp_path, "model.path=tiny-llama", "steps=3", *GREEDY)
+    out = train(tmp_path, "model.path=tiny-llama", "steps=3", PUSH, *GREEDY)
     assert "step_00000003 is damaged (trainer/__0_0.distcp has 1000 bytes" in out, out[-3000:]
     assert "resuming at step 2" in out, out[-3000:]
     step, resumed = model_state(tmp_path)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.loop.runs import metrics, train
+from tests.loop.runs import assert_code_pushes, metrics, train
 
 
 @pytest.mark.slow
 def test_moe_loop_with_fp4_rc_on_both_sides_and_routing_replay(tmp_path):
     """MoEResQ's symmetric setting: FP4 RC experts in the trainer (Megatron) and the engine (SGLang), with the
-    engine's routing replayed in the trainer (R3); the routing agreement measured before replay every step."""
-    train(tmp_path, "model.path=tiny-qwen3_moe", "steps=2", "precision=fp4_rc", "scope=experts",
-           "uaq.enabled=false", "train.routing_replay=r3")
+    engine's routing replayed in the trainer (R3); the routing agreement measured before replay every step. The
+    weights go to the engine as the trainer's FP4 codes and scales (rollout.push=codes), checked every step."""
+    overrides = ("model.path=tiny-qwen3_moe", "steps=2", "precision=fp4_rc", "scope=experts", "uaq.enabled=false",
+                 "train.routing_replay=r3", "rollout.push=codes")
+    train(tmp_path, *overrides)
+    assert_code_pushes(tmp_path, *overrides)
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["train/skipped_nonfinite"] == 0 and r["mismatch/prob_pearson"] > 0.9 for r in records)
@@ -39,9 +42,12 @@ def test_mixtral_loop(tmp_path):
 @pytest.mark.slow
 def test_glm4_moe_loop(tmp_path):
     """Two steps on tiny-glm4_moe (a dense first layer, then a sigmoid router with an expert bias and a shared
-    expert): FP4 RC experts on both sides with the engine's routing replayed (R3)."""
-    train(tmp_path, "model.path=tiny-glm4_moe", "steps=2", "precision=fp4_rc", "scope=experts",
-           "uaq.enabled=false", "train.routing_replay=r3")
+    expert): FP4 RC experts on both sides with the engine's routing replayed (R3), pushed as codes (the shared
+    expert and the dense layer, outside scope experts, in BF16)."""
+    overrides = ("model.path=tiny-glm4_moe", "steps=2", "precision=fp4_rc", "scope=experts", "uaq.enabled=false",
+                 "train.routing_replay=r3", "rollout.push=codes")
+    train(tmp_path, *overrides)
+    assert_code_pushes(tmp_path, *overrides)
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["train/skipped_nonfinite"] == 0 and r["mismatch/prob_pearson"] > 0.9 for r in records)

@@ -85,7 +85,8 @@ def fake_ray(monkeypatch):
     return waits
 
 
-ANSWERS = {"push_weights": 2.0, "push_reference": 3.0, "quantized_linears": {"model.layers.0.mlp.up_proj"},
+ANSWERS = {"push_weights": {"time/push": 2.0, "push/bytes": 100.0, "push/verified_units": 4.0},
+           "push_reference": 3.0, "quantized_linears": {"model.layers.0.mlp.up_proj"},
            "step": {"loss/total": 0.5}, "open_weight_group": "10.0.0.1:2345", "export_hf": "ckpt/hf", "pid": 7,
            "save_checkpoint": {"file": "rank.pt"}, "finish_checkpoint": [],
            "endpoints": [("http://10.0.0.2:30000", "key")], "reference_endpoint": ("http://127.0.0.1:30001", "key"),
@@ -147,7 +148,9 @@ def test_every_trainer_group_method_reaches_its_trainer_method_on_every_rank(fak
     calls = []
     group = _trainers(3, calls)
     assert len(group) == 3
-    assert group.push_weights("step-1") == 2.0 and group.pids() == [7, 7, 7]
+    # the slowest rank's time, all ranks' bytes and verified units
+    assert group.push_weights("step-1") == {"time/push": 2.0, "push/bytes": 300.0, "push/verified_units": 12.0}
+    assert group.pids() == [7, 7, 7]
     assert group.open_weight_group("g", backend="gloo", timeout=1.0) == "10.0.0.1:2345"
     assert group.step(BATCH) == {"loss/total": 0.5} and group.export_hf("out") == "ckpt/hf"
     assert group.save_checkpoint("ckpt", 1) == [{"file": "rank.pt"}] * 3

@@ -146,13 +146,17 @@ def test_a_state_of_another_model_names_the_tensors_that_differ():
         trainer.close()
 
 
-def test_export_gives_hf_named_bf16_tensors_with_uaq_folded_in():
+@pytest.mark.parametrize(("precision", "model", "scope"), [("int8", "tiny-llama", "all"),
+                                                        ("fp4_rc", "tiny-qwen3_moe", "experts")])
+def test_export_gives_hf_named_bf16_tensors_with_uaq_folded_in(precision, model, scope):
+    """What the engines get is the trainer's UAQ-scaled weights, over the precision's UAQ scope (an FP4 engine
+    quantizes the W/s its trainer quantizes)."""
     from qurl_mcore.megatron.convert import read_hf_state
     from qurl_mcore.uaq import uaq_scale_hf
 
     from qurl_mcore.megatron import export_hf_weights
 
-    trainer = _trainer("uaq.enabled=true", "precision=int8")
+    trainer = _trainer("uaq.enabled=true", f"precision={precision}", f"model.path={model}")
     try:  # what push_weights streams to the engines (bf16 engines)
         exported = {n: t for bucket in export_hf_weights(trainer.model, trainer.hf, bucket_bytes=1 << 20,
                                                          dtype=torch.bfloat16) for n, t in bucket}
@@ -162,8 +166,8 @@ def test_export_gives_hf_named_bf16_tensors_with_uaq_folded_in():
     assert set(exported) == set(hf)
     for name, tensor in hf.items():
         assert exported[name].dtype == torch.bfloat16
-        torch.testing.assert_close(exported[name].float(), uaq_scale_hf(name, tensor.float(), 1.5).bfloat16().float(),
-                                   rtol=1e-2, atol=1e-6)
+        want = uaq_scale_hf(name, tensor.float(), 1.5, scope=scope).bfloat16().float()
+        torch.testing.assert_close(exported[name].float(), want, rtol=1e-2, atol=1e-6)
 
 
 def test_the_training_forward_is_pi_prox():

@@ -1,6 +1,7 @@
 """rollout.smoothing on a real `PolicyTrainer` (tiny Llama, world size 1, in this process): the push carries the
 fold of the calibrated scales on top of UAQ, the calibration is that of `qurl_mcore.smoothing.calibrate` on the
-run's first prompts, and a resumed trainer pushes bitwise the same weights from the restored scales."""
+run's first prompts, and a resumed trainer pushes bitwise the same weights from the restored scales (and, in a code
+push, the same codes and scales as the uninterrupted trainer)."""
 from __future__ import annotations
 
 import torch
@@ -9,11 +10,12 @@ from qurl_mcore.config import load_config
 from qurl_mcore.loop.sampler import engine_config
 from qurl_mcore.loop.trainer import CALIBRATION_PROMPTS, PolicyTrainer, calibration_prompts
 from qurl_mcore.megatron.convert import read_hf_state
+from qurl_mcore.quant.wire import SCALE
 from qurl_mcore.smoothing import calibrate, fold_table, smooth_tensor
 from qurl_mcore.uaq import uaq_scale_hf
 
 from .test_dist_checkpoint import _save
-from .test_trainer import _RecordingEngine
+from .test_trainer import _batch, _RecordingEngine
 
 
 class _KeepingEngine(_RecordingEngine):
@@ -88,6 +90,35 @@ def test_push_folds_the_calibrated_scales_over_uaq_and_a_resume_pushes_the_same(
         assert all(torch.equal(resumed.smoothing_scales[k], scales[k]) for k in scales)
     finally:
         resumed.close()
+
+
+def test_a_resumed_trainer_pushes_the_codes_of_the_uninterrupted_one(tmp_path):
+    """rollout.push=codes: checkpointed after step 1, the trainer resumed from it pushes after step 2 the codes and
+    scales of the trainer that went on, bit for bit (the restored weights, optimizer state and smoothing scales
+    all reach the codes: a resumed run's engines serve what the uninterrupted run's would)."""
+    def second_push(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
+        trainer.step(_batch(trainer, seed=1))
+        return _push(trainer)
+
+    trainer = _trainer("rollout.push=codes")
+    try:
+        _push(trainer)  # as the loop does before step 1: the smoothing scales are calibrated, then checkpointed
+        trainer.step(_batch(trainer, seed=0))
+        published = _save(trainer, tmp_path / "ckpt", 1)
+        want = second_push(trainer)
+    finally:
+        trainer.close()
+    resumed = _trainer("rollout.push=codes", "seed=5")
+    try:
+        resumed.load_checkpoint(str(published))
+        got = second_push(resumed)
+    finally:
+        resumed.close()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert want[q].dtype == torch.int8 and q + SCALE in want  # the push carried codes and scales
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
 
 
 def test_calibration_runs_on_the_host_whatever_the_trainers_device():

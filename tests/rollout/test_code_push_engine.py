@@ -32,7 +32,7 @@ def _pushes(path: str, method: str, fmt: str, scope: str, push: str) -> dict:
     units = engine_units(path, recipe.groups)
     full = {k: v.to(torch.bfloat16) for k, v in noisy_layer0(checkpoint_tensors(path)).items()}
     part = sorted(units)[-1]  # one weight (a whole unit for NVFP4)
-    partial = {n: full[n] * 1.5 for n in units[part]} if fmt == "nvfp4" else {part: full[part] * 1.5}
+    partial = {n: full[n] * 1.5 for n in units[part].names} if fmt == "nvfp4" else {part: full[part] * 1.5}
     out = {}
     with local_engine(path, method, {"fmt": fmt, "scope": scope, "push": push}, dtype="bfloat16") as engine:
         ids = prompt_ids(path)
@@ -43,7 +43,7 @@ def _pushes(path: str, method: str, fmt: str, scope: str, push: str) -> dict:
             engine.verify_push(codes)
             out[step] = engine.installed_digests(), score(engine, ids)
         if push == "bf16":  # the trainer believes layer 0's o_proj (or an expert's down) is not quantized
-            lone = next(n for n, u in units.items() if len(u) == 1 and ".layers.0." in n)
+            lone = next(n for n, u in units.items() if len(u.names) == 1 and ".layers.0." in n)
             believed = CodePush(recipe.spec, {n: u for n, u in units.items() if n != lone}, send=False)
             engine.push_weights((nt for b in believed.buckets(_stream(full)) for nt in b), version="mismatch")
             with pytest.raises(RefitMismatch, match=rf"{lone}: quantized by the engine only"):
