@@ -66,7 +66,7 @@ CARDS: dict[str, dict[str, Any]] = {
                     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
                     "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "moe_intermediate_size": 2048,
                     "n_shared_experts": 1, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5,
-                    "norm_topk_prob": True, "num_nextn_predict_layers": 0},
+                    "norm_topk_prob": True, "num_nextn_predict_layers": 0, "max_position_embeddings": 163840},
     "GLM-4.5": {**_GLM45, "hidden_size": 5120, "intermediate_size": 12288, "num_hidden_layers": 92,
                 "n_routed_experts": 160, "moe_intermediate_size": 1536, "first_k_dense_replace": 3,
                 "use_qk_norm": True},
