@@ -18,19 +18,20 @@ trace checks and which it cannot.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .config import Config
 from .fakecuda import fake_cuda, run_traced
 from .models.registry import shape
-from .precision import quantized_linears
 from .sizing import engine_bytes, hf_tensors, push_bytes, trainer_bytes
 from .sizing.gpus import get_gpu
 from .sizing.verdict import export_bytes
@@ -234,71 +235,212 @@ def _push(trainer) -> None:
             sender.send(bucket)
 
 
-def trace_engine(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeout: float = 900.0) -> dict[str, Any]:
-    """One engine GPU's weights after a load, traced: the plugin's quantizer (`sglang.linear.QurlLinearMethod`,
-    what `process_weights_after_loading` runs on every load and push) on this GPU's shard (rows /
-    rollout.tp_size) of each linear that the engines quantize in the first decoder layer of each kind (dense,
-    moe), times the layers of that kind, plus every other tensor in rollout.dtype (norms and routers whole, the
-    rest /TP). `measured_peak_bytes` is that residency plus the most the quantization of one tensor holds
-    besides; `planned_peak_bytes` the plan's weights per GPU (`engine_bytes(...)["weights"]["gpu_weights"]`);
-    `host_syncs` those of one load (extrapolated like the bytes). The KV cache and SGLang's reserve (the rest
-    of the plan's engine peak) are not traced: SGLang's model runner cannot start on the façade
-    (docs/plan.md)."""
+def engine_layers(s) -> dict[str, int]:
+    """The decoder layers of each kind (`KINDS`) an engine holds: all of the model's (an engine has no pipeline
+    stages), its dense prefix (`first_k_dense_replace`; every layer of a dense model) first."""
+    dense = min(s.layers, s.dense_layers) if s.experts else s.layers
+    return {"dense": dense, "moe": s.layers - dense}
+
+
+def trace_engine(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeout: float = 1800.0) -> dict[str, Any]:
+    """One engine GPU traced through SGLang's own code: the model class SGLang's loader picks for the
+    architecture (`get_model_architecture`, with the plugin's hooks) built as TP rank 0 of `rollout.tp_size`
+    (SGLang's parallel state over the fake group of that many ranks) with the server arguments a run's engine
+    gets (`loop.sampler.engine_config`), its layers cut to one of each kind the model has (dense, moe);
+    loaded by SGLang's `DefaultModelLoader.load_model` (the checkpoint's tensors fed in rollout.dtype, without
+    values), then pushed once as a bf16 push runs (`restore_weights_before_loading`, the model's
+    `load_weights`, `postprocess_weights`). What is measured are the CUDA storages that exist (the façade's
+    `memory_allocated` and peak), each decoder layer's the storages reachable from its module (parameters,
+    buffers and tensor attributes: the plugin's codes, SGLang's MLA decode weights); the model's other layers
+    add their kind's:
+      weights  after the load:  allocated + Σ_kind (layers − traced)·(a layer of the kind, quantized)
+      load     its peak:        peak + Σ_kind (layers − traced)·(a layer of the kind before quantization:
+                                SGLang builds the whole model in rollout.dtype and quantizes after loading it)
+      push     its peak:        weights + what one push adds at its peak above the weights (one module's
+                                masters on the GPU at a time: it does not grow with the layers); a bf16
+                                push only: engines that take code pushes (`Config.push_mode`) are not pushed
+    `measured_peak_bytes` is the larger of load and push, beside the plan's (`engine_bytes(...)["load"]`);
+    `measured_weight_bytes` beside `planned_weight_bytes` (the plan's `gpu_weights`); `host_syncs` those of the
+    traced load and push. Where SGLang's class cannot be built on the façade, `not_built` says why and nothing
+    is measured: Qwen2's MLP on CUDA imports SGLang's CuTe DSL dual GEMM, which needs cuda-python. Not traced:
+    the KV cache and SGLang's reserve (the model runner, its attention backend and CUDA graphs do not start on the
+    façade: docs/plan.md), and SGLang's custom all-reduce and message-queue broadcaster (no NVML, no peer
+    processes)."""
 
     s = shape(hf)
     plan = engine_bytes(s, cfg, get_gpu(_PLAN_GPU.get(gpu, gpu)))
+    layers = engine_layers(s)
+    traced = {k: min(n, 1) for k, n in layers.items()}
     start = time.perf_counter()
-    out = run_traced(_engine_weights, cfg, hf, gpu, timeout=timeout)
-    return {"measured_peak_bytes": out["weights"] + out["transient"], "planned_peak_bytes": plan["weights"]["gpu_weights"],
-            "measured_weight_bytes": out["weights"], "quantize_transient_bytes": out["transient"],
-            "traced_layers": out["traced_layers"], "host_syncs": out["host_syncs"],
-            "not_traced": {"kv": plan["kv"], "reserve": plan["reserve"]},
+    out = run_traced(_engine_step, cfg, _engine_hf(hf, s, traced), traced, gpu, timeout=timeout)
+    if "not_built" in out:
+        return {"not_built": out["not_built"], "planned_peak_bytes": plan["load"],
+                "planned_weight_bytes": plan["weights"]["gpu_weights"], "tp_size": cfg.rollout.tp_size,
+                "layers": layers, "traced_layers": dict.fromkeys(KINDS, 0), "host_syncs": 0,
+                "seconds": round(time.perf_counter() - start, 1)}
+    more = {k: layers[k] - traced[k] for k in KINDS}
+    grow = lambda per: sum(more[k] * per[k] for k in KINDS)  # noqa: E731
+    weights = out["weights"] + grow(out["layer_bytes"])
+    load = out["load_peak"] + grow(out["loaded_layer_bytes"])
+    push = weights + out["push_peak"] - out["weights"]
+    return {"measured_peak_bytes": max(load, push), "planned_peak_bytes": plan["load"],
+            "measured_weight_bytes": weights, "planned_weight_bytes": plan["weights"]["gpu_weights"],
+            "phases": {"load": load, "push": push}, "model_class": out["model_class"],
+            "tp_rank": 0, "tp_size": cfg.rollout.tp_size, "layers": layers, "traced_layers": traced,
+            "layer_bytes": out["layer_bytes"], "loaded_layer_bytes": out["loaded_layer_bytes"],
+            "host_syncs": out["host_syncs"], "not_traced": {"kv": plan["kv"], "reserve": plan["reserve"]},
             "seconds": round(time.perf_counter() - start, 1)}
 
 
-def _engine_weights(cfg: Config, hf: dict[str, Any], gpu: str) -> dict[str, Any]:
-    """In the traced process: `trace_engine`'s bytes and host synchronizations of one engine GPU."""
-    # SGLang, in the traced process only
-    from qurl_mcore.sglang.linear import QurlLinearMethod
-    from qurl_mcore.sglang.options import QurlOptions
+def _engine_hf(hf: dict[str, Any], s, traced: dict[str, int]) -> dict[str, Any]:
+    """config.json `hf` cut to the `traced` layers (dense first), with the `architectures` SGLang resolves its
+    model class from (an architecture card has none: transformers' causal-LM class of its model_type)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    s = shape(hf)
+    out = {"architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf["model_type"]]], **hf,
+           "num_hidden_layers": sum(traced.values())}
+    if s.experts and "first_k_dense_replace" in hf:
+        out["first_k_dense_replace"] = traced["dense"]
+    return out
+
+
+def _engine_step(cfg: Config, hf: dict[str, Any], traced: dict[str, int], gpu: str) -> dict[str, Any]:
+    """In the traced process: `trace_engine`'s build, load and push of TP rank 0, and what it measures."""
     tp = cfg.rollout.tp_size
-    engine = cfg.recipe().engine
-    method = QurlLinearMethod(QurlOptions(recipe=engine)) if engine else None
-    precision, scope, _ = cfg.resolved_precision()
-    c = {"model_type": s.model_type, "num_hidden_layers": s.layers, "num_experts": s.experts,
-         "shared_expert_intermediate_size": s.shared_intermediate}
-    names = {n + ".weight" for n in quantized_linears(c, precision.name, scope, "rollout")} if engine else set()
-    dtype = getattr(torch, cfg.rollout.dtype)
-    dense = s.dense_layers if s.experts else s.layers
-    counts = {"dense": dense, "moe": s.layers - dense}
-    first = {"dense": 0, "moe": dense}  # the first layer of each kind
-    traced = {kind: first[kind] for kind, n in counts.items() if n}
-    kept, transient = [], 0
-    resident = {kind: 0 for kind in (None, *traced)}  # bytes outside the layers, and of each traced layer
-    syncs = dict.fromkeys(resident, 0)
-    with fake_cuda(gpu=gpu) as trace:
-        for x in hf_tensors(s):
-            kind = None if x.layer is None else next((k for k, i in traced.items() if i == x.layer), False)
-            if kind is False:
-                continue
-            rows = x.shape[0] if x.kind in ("norm", "router") else -(-x.shape[0] // tp)
-            before, synced = torch.cuda.memory_allocated(), trace.host_syncs
-            trace.reset_peak()
-            w = torch.empty(rows, *x.shape[1:], dtype=dtype, device="cuda")
-            if x.name in names:
-                q = method.quantize_weight(w, method.spec)
-                del w  # the master goes to the host (or stays beside it: --master device, not counted here)
-                kept.append(q)
-            else:
-                kept.append(w)
-            transient = max(transient, trace.peak_bytes - torch.cuda.memory_allocated())
-            resident[kind] += torch.cuda.memory_allocated() - before
-            syncs[kind] += trace.host_syncs - synced
-    total = lambda d: d[None] + sum(counts[k] * d[k] for k in traced)  # noqa: E731
-    return {"weights": total(resident), "transient": transient, "host_syncs": total(syncs),
-            "traced_layers": {k: int(k in traced) for k in KINDS}}
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(hf))
+        with fake_cuda(devices=min(tp, 8), world_size=tp, rank=0, device=0, gpu=gpu) as trace:
+            # SGLang, in the traced process and inside the façade only (its platform flags are read at import)
+            from sglang.srt.model_loader.loader import DefaultModelLoader
+
+            from qurl_mcore.loop.sampler import engine_config
+
+            cuda = torch.device("cuda", 0)
+            dtype = getattr(torch, cfg.rollout.dtype)
+            checkpoint = [(x.name, x.shape) for x in hf_tensors(shape(hf))]
+
+            def weights():  # the checkpoint, or a push
+                return ((name, torch.empty(size, dtype=dtype, device=cuda)) for name, size in checkpoint)
+
+            def load_and_measure(model, feed, device):  # DefaultModelLoader.load_weights_and_postprocess
+                DefaultModelLoader.load_weights_only(model, feed, device)
+                out["loaded_layer_bytes"] = _per_kind(model, traced)
+                DefaultModelLoader.postprocess_weights(model, device)
+
+            with sglang_parallel(engine_config(cfg, cfg.recipe().engine, tmp, "cuda").engine_kwargs(), tp) as args:
+                trace.reset_peak()
+                synced = trace.host_syncs
+                try:
+                    model = load_sglang_model(args, weights, load_and_measure)
+                except ModuleNotFoundError as err:  # a CUDA branch's import that only a GPU machine has
+                    if (err.name or "").split(".")[0] != "cuda":
+                        raise
+                    return {"not_built": f"SGLang's {hf['architectures'][0]} on CUDA imports {err.name} (the "
+                                         f"cuda-python package, not installed here) while it builds its layers"}
+                out["load_peak"], out["weights"] = trace.peak_bytes, torch.cuda.memory_allocated()
+                out["layer_bytes"] = _per_kind(model, traced)
+                trace.reset_peak()
+                if cfg.push_mode(shape(hf).mla) == "bf16":  # a code push carries the codes (sglang/weights.py)
+                    push_sglang_model(model, weights())
+                out["push_peak"] = trace.peak_bytes
+                out["host_syncs"] = trace.host_syncs - synced
+                out["model_class"] = type(model).__name__
+                if torch.cuda.memory_allocated() != out["weights"]:
+                    raise RuntimeError(f"a push left {torch.cuda.memory_allocated() - out['weights']} CUDA bytes "
+                                       f"more than the load")
+                del model
+    return out
+
+
+@contextlib.contextmanager
+def sglang_parallel(engine_kwargs: dict[str, Any], tp: int) -> Iterator[Any]:
+    """Inside `fake_cuda` (world size `tp`, rank 0): SGLang's runtime context and parallel state for TP rank 0
+    of `tp`, as an engine's scheduler process sets them up from its server arguments (`engine_kwargs`,
+    `rollout.EngineConfig.engine_kwargs`); yields the `ServerArgs`. The plugin is loaded as every SGLang
+    process loads it. SGLang's shared-memory request broadcaster is off: no peer process reads it."""
+    import os
+
+    os.environ["SGLANG_USE_MESSAGE_QUEUE_BROADCASTER"] = "false"
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()
+    args = ServerArgs(**engine_kwargs)
+    with use_context(create_context(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))):
+        init_distributed_environment(world_size=tp, rank=0, local_rank=0, backend="cuda:fake")
+        initialize_model_parallel()
+        yield args
+
+
+def load_sglang_model(args, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], load=None):
+    """SGLang's model for server arguments `args`, built and loaded on cuda:0 by SGLang's own
+    `DefaultModelLoader.load_model` (the class `get_model_architecture` picks, the quantization config, the
+    shared-expert decision), the checkpoint's tensors from `weights()` (on the device: SGLang reads host tensors
+    in threads, which the fake mode is not in); `load(model, weights, device)` in place of its
+    `load_weights_and_postprocess`."""
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    loader = DefaultModelLoader(LoadConfig())
+    loader._get_all_weights = lambda *_: weights()
+    if load is not None:
+        loader.load_weights_and_postprocess = load
+    return loader.load_model(model_config=ModelConfig.from_server_args(args), device_config=DeviceConfig("cuda", 0))
+
+
+def push_sglang_model(model, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """A bf16 push into SGLang's `model` on cuda:0, as SGLang runs one: `begin_weight_update` (the plugin's
+    restore), the model's `load_weights` (`update_weights_from_*`), `end_weight_update` (re-quantization)."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    cuda = torch.device("cuda", 0)
+    DefaultModelLoader.restore_weights_before_loading(model, cuda)
+    model.load_weights(weights)
+    DefaultModelLoader.postprocess_weights(model, cuda)
+
+
+def _per_kind(model: torch.nn.Module, traced: dict[str, int]) -> dict[str, int]:
+    """CUDA bytes of the storages reachable from the first decoder layer of each kind of SGLang's `model`, whose
+    layers are `traced` (dense first; `_storages`), but for those every layer shares: SGLang caches one rotary
+    embedding per configuration (`get_rope`), whose cos/sin cache each layer's attention holds; 0 for a kind the
+    model lacks."""
+    from sglang.srt.layers.rotary_embedding.factory import _ROPE_DICT
+
+    shared = {k for rope in _ROPE_DICT.values() for k in _storages(rope)}
+    first = {"dense": 0, "moe": traced["dense"]}
+    return {k: sum(n for key, n in _storages(model.model.layers[first[k]]).items() if key not in shared)
+            if traced[k] else 0 for k in KINDS}
+
+
+def _storages(module: torch.nn.Module) -> dict[int, int]:
+    """The CUDA storages a module holds (storage -> bytes, each once): its parameters and buffers, and the
+    tensors its submodules keep as attributes, alone or in lists, tuples, dicts and dataclasses (the plugin's
+    codes and scales, SGLang's MLA decode weights)."""
+    found: dict[int, int] = {}
+
+    def visit(x, depth=0):
+        if isinstance(x, torch.Tensor):
+            if x.device.type == "cuda":
+                found[x.untyped_storage()._cdata] = x.untyped_storage().nbytes()
+        elif depth < 3 and isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y, depth + 1)
+        elif depth < 3 and isinstance(x, dict):
+            for y in x.values():
+                visit(y, depth + 1)
+        elif depth < 3 and dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for f in dataclasses.fields(x):
+                visit(getattr(x, f.name), depth + 1)
+
+    for m in module.modules():
+        for x in (*m._parameters.values(), *m._buffers.values(), *vars(m).values()):
+            visit(x)
+    return found
 
 
 def trace_plan(cfg: Config, hf: dict[str, Any], gpu: str = "h100-80g") -> dict[str, Any]:
@@ -311,8 +453,8 @@ def trace_plan(cfg: Config, hf: dict[str, Any], gpu: str = "h100-80g") -> dict[s
         raise ValueError(f"--gpu {gpu}: the trace pretends to be one of {sorted(_FAKE_GPU)}")
     out = {"trainer": trace_trainer(cfg, hf, fake), "engine": trace_engine(cfg, hf, fake)}
     for side in out.values():
-        side["agree"] = abs(side["measured_peak_bytes"] - side["planned_peak_bytes"]) <= \
-            TOLERANCE * side["planned_peak_bytes"]
+        side["agree"] = None if "not_built" in side else \
+            abs(side["measured_peak_bytes"] - side["planned_peak_bytes"]) <= TOLERANCE * side["planned_peak_bytes"]
     return out
 
 
@@ -332,14 +474,18 @@ def format_trace(trace: dict[str, Any]) -> str:
         f"measured peak {gib(t['measured_peak_bytes'])}, planned {gib(t['planned_peak_bytes'])} ({_diff(t)}); "
         f"per phase: {phases}; push's export planned {gib(t['planned']['push'])}; {t['host_syncs']} host "
         f"synchronizations a step{layer_syncs}",
-        f"trace     engine GPU weights after a load (the plugin's quantizer on the first layer of each kind, "
-        f"{kinds(e['traced_layers'])}, times the layers of its kind; {e['seconds']:.0f} s): measured {gib(e['measured_peak_bytes'])} (of it "
-        f"{gib(e['quantize_transient_bytes'])} while one tensor is quantized), planned {gib(e['planned_peak_bytes'])} "
-        f"({_diff(e)}); {e['host_syncs']} host synchronizations a load; KV cache and SGLang's reserve not traced",
+        f"trace     engine not traced: {e['not_built']}" if "not_built" in e else
+        f"trace     engine TP rank 0 of {e['tp_size']} through SGLang's {e['model_class']} on fake CUDA (built, "
+        f"loaded and pushed once at {kinds(e['traced_layers'])} layers, each kind's storages extrapolated to "
+        f"{kinds(e['layers'])}; {e['seconds']:.0f} s): measured peak {gib(e['measured_peak_bytes'])} (load "
+        f"{gib(e['phases']['load'])}, push {gib(e['phases']['push'])}), planned {gib(e['planned_peak_bytes'])} "
+        f"(the load's, {_diff(e)}); weights after the load {gib(e['measured_weight_bytes'])}, planned "
+        f"{gib(e['planned_weight_bytes'])}; {e['host_syncs']} host synchronizations in the traced load and push; "
+        f"KV cache and SGLang's reserve not traced",
     ]
     lines += [f"problem   trace: the {who}'s measured peak differs from the plan's by more than "
               f"{TOLERANCE:.0%}: the plan misses a term, or the trace one (docs/plan.md)"
-              for who, side in trace.items() if not side["agree"]]
+              for who, side in trace.items() if side["agree"] is False]
     return "\n".join(lines)
 
 

@@ -19,8 +19,9 @@ replicated), embedding and lm_head /TP on the first and last stage, experts E/EP
 Engines, per GPU of an engine with rollout.tp_size = t: the linears `precision.quantized_linears` names in the
 precision's format (`quant.formats.FormatSpec.weight_bytes`), everything else in rollout.dtype, /t;
 full-precision masters of the quantized linears (host RAM by default; they come back to the GPU during every
-push); the KV cache 2·L·g·d·2 bytes per token (g/t per GPU); SGLang's own reserve for activations and CUDA
-graphs (`sglang_reserve`)."""
+push); the load, every weight in rollout.dtype /t (SGLang quantizes after loading the whole model); the KV cache
+2·L·g·d·2 bytes per token (g/t per GPU); SGLang's own reserve for activations and CUDA graphs
+(`sglang_reserve`)."""
 from __future__ import annotations
 
 import math
@@ -286,7 +287,9 @@ def engine_weights(s: Shape, precision: str, scope: str, fmt: str | None, dtype:
     """Bytes of one engine's weights: over the whole engine, `quantized` (the linears the precision quantizes,
     in `fmt`), `full` (everything else, in `dtype`), `masters` (the quantized linears in `dtype`, which the
     plugin keeps besides), `experts` and `embedding` (parts of those); per GPU of its `tp`, `gpu_weights`
-    (all but the replicated norms and routers /TP) and `gpu_masters`."""
+    (all but the replicated norms and routers /TP), `gpu_masters`, and `gpu_load`: every weight in `dtype` (all
+    but the replicated /TP), what the GPU holds at the end of SGLang's load, which builds the whole model in
+    `dtype` and quantizes it after loading it (`DefaultModelLoader.load_model`)."""
     names = _quantized(s, precision, scope, "rollout")
     b = _DTYPE_BYTES[dtype]
     out = dict.fromkeys(("quantized", "full", "masters", "experts", "embedding", "replicated"), 0)
@@ -298,7 +301,9 @@ def engine_weights(s: Shape, precision: str, scope: str, fmt: str | None, dtype:
         out["embedding"] += n if x.kind == "embedding" else 0
         out["replicated"] += n if x.kind in _REPLICATED else 0
     sharded = out["quantized"] + out["full"] - out["replicated"]
-    return {**out, "gpu_weights": sharded // tp + out["replicated"], "gpu_masters": out["masters"] // tp}
+    loaded = out["masters"] + out["full"] - out["replicated"]
+    return {**out, "gpu_weights": sharded // tp + out["replicated"], "gpu_masters": out["masters"] // tp,
+            "gpu_load": loaded // tp + out["replicated"]}
 
 
 def engine_bytes(s: Shape, cfg: Config, gpu: GPU, master: str = "host", kv_tokens: int | None = None,
@@ -332,7 +337,8 @@ def engine_bytes(s: Shape, cfg: Config, gpu: GPU, master: str = "host", kv_token
         kv_tokens = cfg.rollout.max_total_tokens or max(0, int(room - on_device) // per_token)
     kv = kv_tokens * per_token
     fraction = math.ceil(100 * (on_device + kv + graphs + GiB) / gpu.hbm) / 100
-    return {"weights": w, "master": master, "kv_bytes_per_token": per_token, "kv_tokens": kv_tokens, "kv": kv,
+    return {"weights": w, "master": master, "load": w["gpu_load"], "kv_bytes_per_token": per_token,
+            "kv_tokens": kv_tokens, "kv": kv,
             "reserve": reserve, "cuda_graphs": graphs, "peak": on_device + kv + reserve,
             "released": reserve - graphs,
             "mem_fraction": fraction if fraction <= 1 else None,

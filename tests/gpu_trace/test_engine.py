@@ -34,7 +34,7 @@ def test_mla_decodes_with_the_full_precision_kv_b_proj_on_sglangs_cuda_branch():
     from qurl_mcore.precision import quantized_linears
 
     out = run_traced(workers.mla_decode_weights, "H100-80GB")
-    assert out["is_cuda"] and out["sm"] == 90
+    assert out["is_cuda"] and out["sm"] == 90 and out["class"] == "DeepseekV3ForCausalLM"
     for when in ("loaded", "pushed"):
         assert set(out[when]) == {0, 1}  # the dense layer and the MoE one
         for layer in out[when].values():
@@ -49,3 +49,35 @@ def test_mla_decodes_with_the_full_precision_kv_b_proj_on_sglangs_cuda_branch():
     assert reported == quantized_linears(path, "int8", "all", "rollout")  # what the symmetry check wants
     assert {f"model.layers.{i}.self_attn.{n}" for i in (0, 1) for n in ("q_b_proj", "o_proj")} <= reported
     assert not any("kv_b_proj" in n for n in reported)
+
+
+def test_an_engine_layers_bytes_are_the_cuda_storages_its_modules_hold():
+    """What `qurl plan --trace` counts per decoder layer of SGLang's model: every CUDA storage reachable from
+    the layer's modules once (parameters, buffers, the plugin's codes in dataclasses, views of them cost
+    nothing), not host tensors; here all the façade has alive."""
+    counted, alive = run_traced(workers.module_storages)
+    assert counted == alive == 128 + 64 + 32 + 16
+
+
+@pytest.mark.slow  # SGLang's DeepSeek-V3 built at TP 2, loaded and pushed in a traced process: about a minute
+def test_the_engine_trace_counts_the_storages_of_sglangs_model_not_the_planners_list():
+    """`trace_engine` builds SGLang's own model class at the engine's TP (tiny DeepSeek-V3, an int8 engine at
+    TP 2: rank 0 of SGLang's parallel state over a fake group of 2), loads and pushes it through SGLang's loader
+    and measures the storages that exist. SGLang's MLA keeps bf16 decode weights rebuilt from kv_b_proj
+    (`w_kc` [heads/TP, d_nope, r_kv], `w_vc` [heads/TP, r_kv, d_v] per layer) that no checkpoint tensor and so
+    no line of the planner's list holds: the measured weights exceed the planned by at least those. The load's
+    peak is the whole model in bf16 (SGLang quantizes after loading all of it), the plan's `load`."""
+    from qurl_mcore.config import load_config
+    from qurl_mcore.plantrace import trace_engine
+    from qurl_mcore.sizing import model_config
+
+    cfg = load_config(None, ["model.path=tiny-deepseek_v3", "precision=int8", "rollout.tp_size=2"])
+    hf, _ = model_config(cfg.model.path)
+    out = trace_engine(cfg, hf)
+    assert out["model_class"] == "DeepseekV3ForCausalLM" and out["tp_size"] == 2
+    assert out["traced_layers"] == out["layers"] == {"dense": 1, "moe": 1}
+    heads = hf["num_attention_heads"] // 2
+    decode = 2 * heads * hf["kv_lora_rank"] * (hf["qk_nope_head_dim"] + hf["v_head_dim"])  # bf16, per layer
+    assert out["measured_weight_bytes"] - out["planned_weight_bytes"] >= 2 * decode
+    assert all(out["layer_bytes"][k] < out["loaded_layer_bytes"][k] for k in ("dense", "moe"))
+    assert out["phases"]["load"] >= out["planned_peak_bytes"]  # the whole model in bf16 at once

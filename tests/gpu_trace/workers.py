@@ -323,7 +323,8 @@ def shared_expert_fusion(gpu: str, checkpoints: dict[str, tuple[str, dict]]) -> 
 
 def mla_decode_weights(gpu: str) -> dict:
     """Defect 7 on a fake `gpu`: SGLang's own DeepseekV3ForCausalLM (the tiny checkpoint, TP 1) built with a
-    `qurl_int8` engine of scope "all", loaded, then pushed once as SGLang's loader runs a push (the plugin's
+    `qurl_int8` engine of scope "all" and loaded by SGLang's loader (`plantrace.load_sglang_model`, as `qurl
+    plan --trace` builds an engine), then pushed once as SGLang's loader runs a push (the plugin's
     restore, the model's `load_weights`, which rebuilds MLA's decode weights `w_kc`/`w_vc` from kv_b_proj, and
     the re-quantization), every tensor in bf16 as the trainer's export sends it. Returns,
     per layer and after the load and after the push, the kv_b_proj's linear method, the dtypes and shapes of its
@@ -344,56 +345,36 @@ def mla_decode_weights(gpu: str) -> dict:
     os.environ["QURL_QUANTIZED_LOG"] = log
     options = {"scope": "all"}
     with fake_cuda(gpu=gpu):
-        from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
-        from sglang.srt.model_loader.loader import DefaultModelLoader
-        from sglang.srt.model_loader.utils import set_default_torch_dtype
-        from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
-        from sglang.srt.plugins import load_plugins
-        from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
-        from sglang.srt.server_args import ServerArgs
         from sglang.srt.utils import common
-        from transformers import AutoConfig
 
+        from qurl_mcore.plantrace import load_sglang_model, push_sglang_model, sglang_parallel
         from qurl_mcore.rollout import EngineConfig
-        from qurl_mcore.sglang.options import QurlOptions
-        from qurl_mcore.sglang.quant_config import CONFIGS
 
-        load_plugins()
         engine = EngineConfig(path, "qurl_int8", options, device="cpu", dtype="bfloat16")
         cuda = torch.device("cuda", 0)
         out = {"is_cuda": common.is_cuda(), "sm": common.get_device_sm()}
-        context = create_context(ServerArgs(**engine.engine_kwargs()), role="scheduler",
-                                 ranks=SpawnRanks(world_rank=0, gpu_id=0))
-        with use_context(context):
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="cuda:fake")
-            initialize_model_parallel()
-            with set_default_torch_dtype(torch.bfloat16), torch.device(cuda):  # as SGLang's loader builds it
-                model = DeepseekV3ForCausalLM(AutoConfig.from_pretrained(path),
-                                              quant_config=CONFIGS["qurl_int8"](QurlOptions.parse("qurl_int8", options)))
 
-            def weights():  # on the device: SGLang loads host tensors in threads, which the fake mode is not in
-                return [(name, torch.empty(shape, dtype=torch.bfloat16, device=cuda))
-                        for name, shape in shapes.items()]
+        def weights():  # the checkpoint's, or the trainer's export, in bf16
+            return ((name, torch.empty(shape, dtype=torch.bfloat16, device=cuda)) for name, shape in shapes.items())
 
-            def seen():
-                layers = {}
-                for i, layer in enumerate(model.model.layers):
-                    attn = layer.self_attn
-                    layers[i] = {"kv_b": (str(attn.kv_b_proj.weight.dtype), tuple(attn.kv_b_proj.weight.shape)),
-                                 "w_kc": (str(attn.w_kc.dtype), tuple(attn.w_kc.shape), str(attn.w_kc.device)),
-                                 "w_vc": (str(attn.w_vc.dtype), tuple(attn.w_vc.shape), str(attn.w_vc.device)),
-                                 "methods": {n: type(getattr(attn, n).quant_method).__name__
-                                             for n in ("q_b_proj", "kv_b_proj", "o_proj")},
-                                 "dims": (attn.num_local_heads, attn.qk_nope_head_dim, attn.v_head_dim,
-                                          attn.kv_lora_rank)}
-                return layers
+        def seen():
+            layers = {}
+            for i, layer in enumerate(model.model.layers):
+                attn = layer.self_attn
+                layers[i] = {"kv_b": (str(attn.kv_b_proj.weight.dtype), tuple(attn.kv_b_proj.weight.shape)),
+                             "w_kc": (str(attn.w_kc.dtype), tuple(attn.w_kc.shape), str(attn.w_kc.device)),
+                             "w_vc": (str(attn.w_vc.dtype), tuple(attn.w_vc.shape), str(attn.w_vc.device)),
+                             "methods": {n: type(getattr(attn, n).quant_method).__name__
+                                         for n in ("q_b_proj", "kv_b_proj", "o_proj")},
+                             "dims": (attn.num_local_heads, attn.qk_nope_head_dim, attn.v_head_dim,
+                                      attn.kv_lora_rank)}
+            return layers
 
-            model.load_weights(weights())  # the checkpoint
-            DefaultModelLoader.postprocess_weights(model, cuda)
+        with sglang_parallel(engine.engine_kwargs(), 1) as args:
+            model = load_sglang_model(args, weights)  # SGLang's loader: the checkpoint, then the quantization
+            out["class"] = type(model).__name__
             out["loaded"] = seen()
-            DefaultModelLoader.restore_weights_before_loading(model, cuda)  # a push: begin_weight_update
-            model.load_weights(weights())  # update_weights_from_*
-            DefaultModelLoader.postprocess_weights(model, cuda)  # end_weight_update
+            push_sglang_model(model, weights())
             out["pushed"] = seen()
     out["reported"] = sorted(set(open(log).read().split()))
     os.unlink(log)
@@ -417,3 +398,24 @@ def checkpointed_attention_peaks(lengths: list[int], heads: int = 32, head_dim: 
             checkpoint.checkpoint(attention, q, k, v, use_reentrant=True).sum().backward()
             peaks.append(trace.peak_bytes - base)
     return peaks
+
+
+@dataclasses.dataclass
+class _Codes:
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+def module_storages() -> tuple[int, int]:
+    """`plantrace._storages` of a module holding CUDA storages as a parameter (fp32 [4, 8]: 128 bytes), a buffer
+    (64), a dataclass attribute (int8 codes 32 and fp32 scales 16, as the plugin keeps its codes), views of the
+    parameter in a list (nothing new) and a host tensor (not CUDA); and the façade's CUDA bytes alive."""
+    from qurl_mcore.plantrace import _storages
+
+    with fake_cuda():
+        m = torch.nn.Linear(8, 4, bias=False, device="cuda")
+        m.register_buffer("cache", torch.empty(16, device="cuda"))
+        m.codes = _Codes(torch.empty(32, dtype=torch.int8, device="cuda"), torch.empty(4, device="cuda"))
+        m.views = [m.weight[0], m.weight[1:]]
+        m.host = torch.empty(100)
+        return sum(_storages(torch.nn.Sequential(m)).values()), torch.cuda.memory_allocated()
