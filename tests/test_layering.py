@@ -36,7 +36,7 @@ ALLOWED: dict[str, tuple[str, frozenset[str]]] = {name: (what, frozenset(deps)) 
     ("precision", "the precision table", ("quant", "models")),
     ("recipe", "a precision, scope and format resolved once into both sides' specs", ("quant", "models", "precision")),
     ("stack", "the Megatron fusions and experts module the installed stack runs", ("recipe",)),
-    ("config", "the training YAML schema", ("precision", "rl", "tasks", "recipe")),
+    ("config", "the training YAML schema", ("precision", "rl", "tasks", "recipe", "models", "quant")),
     ("sglang", "the SGLang quantization plugin", ("quant", "kernels", "precision", "models", "transfer",
                                                    "recipe")),
     ("rollout", "the SGLang engine client and the code push's trainer half",
