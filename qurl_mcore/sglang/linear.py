@@ -3,7 +3,6 @@ for the refit cycle)."""
 from __future__ import annotations
 
 import torch
-from sglang.srt.distributed.utils import get_group_rank_size
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 from sglang.srt.utils import set_weight_attrs
 
@@ -46,6 +45,9 @@ class QurlLinearMethod(LinearMethodBase):
 
     def restore_weights_before_loading(self, layer) -> None:
         if self.options.codes:  # SGLang's own loader shards codes and scales by rows and columns as it does W
+            # here only: slime's SGLang has neither this helper nor `tp_group`, and takes no code pushes
+            from sglang.srt.distributed.utils import get_group_rank_size
+
             rank, _ = get_group_rank_size(layer.tp_group)
             weights.attach_codes(layer, "weight", layer.qurl_weight, layer.weight_loader, weights.rank_of(rank))
         else:
