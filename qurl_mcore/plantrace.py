@@ -341,7 +341,7 @@ def _engine_step(cfg: Config, hf: dict[str, Any], traced: dict[str, int], gpu: s
                 out["load_peak"], out["weights"] = trace.peak_bytes, torch.cuda.memory_allocated()
                 out["layer_bytes"] = _per_kind(model, traced)
                 trace.reset_peak()
-                if cfg.push_mode(shape(hf).mla) == "bf16":  # a code push carries the codes (sglang/weights.py)
+                if cfg.push_mode(shape(hf)) == "bf16":  # a code push carries the codes (sglang/weights.py)
                     push_sglang_model(model, weights())
                 out["push_peak"] = trace.peak_bytes
                 out["host_syncs"] = trace.host_syncs - synced

@@ -72,7 +72,7 @@ def assert_code_pushes(run_dir: Path, *overrides: str) -> None:
     cfg = load_config(None, [*TINY, *overrides])
     s = shape(model_config(cfg.model.path)[0])
     planned = push_bytes(s, cfg)
-    assert planned["codes"] and cfg.push_mode(s.mla) == "codes"
+    assert planned["codes"] and cfg.push_mode(s) == "codes"
     bf16 = push_bytes(s, load_config(None, [*TINY, *overrides, "rollout.push=bf16"]))["bytes"]
     units = set(engine_units(resolve_model_path(cfg.model.path), cfg.recipe().engine.groups).values())
     for r in metrics(run_dir):
