@@ -4,9 +4,10 @@
 `qurl_mcore.quant.wire.Unit`): the weights of one SGLang module in its order, per layer, and per expert for routed
 experts, and how an engine of TP > 1 shards it: along rows for column-parallel linears (q/k/v, gate/up), along
 columns for row-parallel ones (o_proj, down_proj), over the engine's TP ranks, or for routed experts over its
-expert-TP ranks (TP / EP: an engine of EP = TP holds whole experts, each on one rank). `CodePush` turns the BF16 export stream into the code push's stream, bucket by bucket: every weight of a
-unit becomes codes and scales (`quant.wire.encode_unit`, quantized once, with the engine's recipe); everything
-else stays in full precision (embeddings, norms, routers, biases, the output layer, linears outside the scope).
+expert-TP ranks (TP / EP: an engine of EP = TP holds whole experts, each on one rank). `CodePush` turns the
+BF16 export stream into the code push's stream, bucket by bucket: every weight of a unit becomes codes and
+scales (`quant.wire.encode_unit`, quantized once, with the engine's recipe); everything else stays in full
+precision (embeddings, norms, routers, biases, the output layer, linears outside the scope).
 It holds a unit's members until the last of them arrives (a unit never spans more than two adjacent buckets in
 the trainer's export order). A bucket's codes and scales travel as views of one buffer (`transfer.packed`):
 one handle to pass to the engine instead of two or three per weight. It records each unit's digest, which
@@ -85,8 +86,8 @@ class CodePush:
                     out.append((name, w))
                 if len(held) == len(unit.names):
                     whole.append(unit)
-            members = [(unit, [(n, held[n]) for n in unit.names]) for unit, held in
-                       [(unit, pending.pop(unit)) for unit in whole]]
+            members = [(unit, [(n, held[n]) for n in unit.names]) for unit in whole
+                       for held in [pending.pop(unit)]]
             codes: list[NamedTensor] = []
             with _ops_on_one_thread() as threads:
                 for unit, (wire, fingerprint) in zip(whole, self._encode(members, threads)):

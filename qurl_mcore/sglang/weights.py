@@ -109,16 +109,19 @@ def installed_digests(model: torch.nn.Module) -> dict[str, str]:
         elif hasattr(module, "qurl_w13_weight_experts"):
             names = sglang_linears(prefix, module.num_experts)[1]
             per = len(names) // module.num_experts  # an expert's gate, up, down
+            ids = global_experts(module)
             for e, (w13, w2) in enumerate(zip(module.qurl_w13_weight_experts, module.qurl_w2_weight_experts)):
-                g = global_expert(module, e)
+                g = ids[e]
                 out[names[g * per] + ".weight"] = digest(w13)
                 out[names[g * per + per - 1] + ".weight"] = digest(w2)
     return out
 
 
-def global_expert(layer: torch.nn.Module, local: int) -> int:
-    """The global id of a FusedMoE's local expert `local` (SGLang maps global ids to local ones only)."""
-    return next(g for g in range(layer.num_experts) if layer._map_global_expert_id_to_local_expert_id(g) == local)
+def global_experts(layer: torch.nn.Module) -> dict[int, int]:
+    """Local expert id -> global id of a FusedMoE's experts on this rank (SGLang maps global ids to local ones
+    only; -1: another rank's)."""
+    local = {g: layer._map_global_expert_id_to_local_expert_id(g) for g in range(layer.num_experts)}
+    return {e: g for g, e in local.items() if e != -1}
 
 
 def masters_stay_put(original: Callable, module: torch.nn.Module, target_device: torch.device):
