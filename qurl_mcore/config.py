@@ -219,29 +219,23 @@ class Config:
 
     def push_mode(self, model: Shape) -> str:
         """What weight pushes carry (`rollout.push`) for engines of `model`: "bf16" for full-precision engines;
-        "codes" where a code push serves: tensor pushes (the colocated layout; the broadcast path sends BF16), no
-        MLA attention in scope (its engine rebuilds the decode weights from kv_b_proj's full-precision values,
-        which a code push does not send), and at TP > 1 no NVFP4 k/v heads that TP ranks replicate (each rank's
-        q/k/v unit has its own global scale, so a replicated k/v head holds other codes on each rank, which one
-        wire tensor cannot carry). "auto" is codes where it serves, else bf16; "codes" where it does not is
-        refused, naming why."""
+        "codes" where a code push serves, which is every layout (tensor and broadcast pushes) unless, at TP > 1,
+        TP ranks replicate NVFP4 k/v heads (each rank's q/k/v unit has its own global scale, so a replicated k/v
+        head holds other codes on each rank, which one wire tensor cannot carry). What the engine needs in full
+        precision travels so in a code push: the linears it does not quantize, MLA's kv_b_proj among them (its
+        decode weights are rebuilt from it). "auto" is codes where it serves, else bf16; "codes" where it does
+        not is refused, naming why."""
         p, scope, fmt = self.resolved_precision()
         if p.rollout is None or self.rollout.push == "bf16":
             return "bf16"
-        why = []
         tp = self.rollout.tp_size
-        if self.layout != "colocated":
-            why.append(f"layout is {self.layout}: code pushes go by tensor (colocated), the broadcast path sends BF16")
-        if model.mla and "attention" in SCOPES[scope]:
-            why.append(f"scope {scope} quantizes MLA's kv_b_proj, whose full-precision values the engine needs for "
-                       "its decode weights (a code push does not send them): use scope experts")
-        elif "attention" in SCOPES[scope] and model.kv_heads % tp and self._global_scale():
+        why = None
+        if "attention" in SCOPES[scope] and model.kv_heads % tp and self._global_scale():
             fits = [n for n in range(1, tp) if not model.kv_heads % n and not model.heads % n]
-            why.append(f"rollout.tp_size {tp} replicates the model's {model.kv_heads} k/v heads, which {fmt} "
-                       f"quantizes with each rank's own global scale: use rollout.tp_size={max(fits)} or scope "
-                       "experts")
+            why = (f"rollout.tp_size {tp} replicates the model's {model.kv_heads} k/v heads, which {fmt} quantizes "
+                   f"with each rank's own global scale: use rollout.tp_size={max(fits)} or scope experts")
         if why and self.rollout.push == "codes":
-            raise ValueError("rollout.push=codes: " + "; ".join(why) + "; or use rollout.push=bf16 or auto")
+            raise ValueError(f"rollout.push=codes: {why}; or use rollout.push=bf16 or auto")
         return "bf16" if why else "codes"
 
     def _global_scale(self) -> bool:

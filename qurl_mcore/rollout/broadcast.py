@@ -1,5 +1,7 @@
 """Broadcast weight pushes (the disaggregated RL layout): the trainer's rank 0 shares a torch.distributed
-group (NCCL on GPU, gloo on CPU) with the rollout engines and broadcasts the HF-named tensors to them.
+group (NCCL on GPU, gloo on CPU) with the rollout engines and broadcasts the HF-named tensors to them, a bucket
+at a time as one byte buffer (`WeightSender.send`): full-precision weights, or a code push's codes and scales
+(`qurl_mcore.rollout.codes`), which the engines install with the same loaders as a tensor push's.
 
 The group has 1 + sum(engine TP sizes) ranks: the sender is rank 0, each engine's TP ranks follow in turn.
 Both sides of every step block until the other side takes part, so the calls to the engines run in threads
@@ -33,7 +35,7 @@ import torch
 
 from qurl_mcore.transfer import NamedTensor, comm_backend
 
-from .engine import BucketSpec, RolloutEngine, WeightPushError, bucket_spec
+from .engine import BucketSpec, RolloutEngine, WeightPushError, bucket_spec, wire_order
 
 DEFAULT_GROUP = "qurl-weights"
 
@@ -62,10 +64,17 @@ class WeightSender:
         return cls(group, group_name, backend, world_size, timeout)
 
     def send(self, bucket: Iterable[NamedTensor]) -> None:
-        """Broadcast every tensor of one bucket, in order."""
-        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
-        for work in [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]:
-            work.wait()
+        """Broadcast one bucket as one byte buffer on the group's device: its tensors' bytes end to end in
+        `wire_order`, which the engines cut back into tensors by the bucket's spec (`bucket_spec`; SGLang's
+        flattened receive). One collective a bucket, whatever the tensors' dtypes: gloo moves no float8, and a
+        code push's FP8 codes and E4M3 scales travel as bytes (the buffer costs the sender one bucket)."""
+        tensors = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in wire_order(bucket)]
+        flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.uint8, device=self.device)
+        start = 0
+        for t in tensors:
+            flat[start:start + t.numel()].copy_(t)
+            start += t.numel()
+        torch.distributed.broadcast(flat, src=0, group=self.group)
 
     def close(self) -> None:
         if self.group is not None:

@@ -15,7 +15,8 @@ and is verified by reading the version back.
 In the disaggregated layout (engines on other hosts) the same session receives the tensors by broadcast
 instead: the engine joins a torch.distributed group with the trainer's rank 0 (`join_weight_group`), and
 `receive_weights` runs `update_weights_from_distributed` per bucket while the trainer broadcasts them
-(`qurl_mcore.rollout.broadcast`, which runs both sides together).
+(`qurl_mcore.rollout.broadcast`, which runs both sides together). A bucket travels as one byte buffer (SGLang's
+flattened bucket), so a code push's int8, float8 and uint8 codes and scales cross as BF16 weights do.
 """
 from __future__ import annotations
 
@@ -79,14 +80,23 @@ def moe_shape(model_path: str) -> tuple[int, int] | None:
 
 
 #: one bucket of a broadcast push: (HF name, torch dtype name without "torch.", shape) per tensor, in the
-#: order the sender broadcasts them
+#: order the sender lays them out (`wire_order`)
 BucketSpec = Sequence[tuple[str, str, Sequence[int]]]
+#: SGLang's receive of a broadcast bucket as one byte buffer, cut into its tensors by the bucket's spec
+FLATTENED = "flattened_bucket"
+
+
+def wire_order(bucket: Iterable[NamedTensor]) -> list[NamedTensor]:
+    """A bucket's tensors in the order a broadcast push lays them end to end in one byte buffer (SGLang's
+    flattened bucket, `FlattenedTensorBucket`): by element size, largest first, so that each starts at a multiple
+    of its element size, which SGLang's receive requires (fp32 scales, then bf16 weights, then 1-byte codes)."""
+    return sorted(bucket, key=lambda nt: -nt[1].element_size())
 
 
 def bucket_spec(bucket: Iterable[NamedTensor]) -> list[tuple[str, str, list[int]]]:
-    """(name, dtype name, shape) of each tensor of a bucket: what `check_specs` validates and what the
-    receiving side of a broadcast push passes to `update_weights_from_distributed`."""
-    return [(name, dtype_name(t.dtype), list(t.shape)) for name, t in bucket]
+    """(name, dtype name, shape) of each tensor of a bucket, in `wire_order`: what `check_specs` validates and what
+    the receiving side of a broadcast push passes to `update_weights_from_distributed`."""
+    return [(name, dtype_name(t.dtype), list(t.shape)) for name, t in wire_order(bucket)]
 
 
 def _checkpoint_shapes(model_path: str) -> dict[str, list[int]] | None:
@@ -298,7 +308,8 @@ class RolloutEngine(ABC):
         number of buckets."""
         specs = self.check_specs(bucket_specs) if isinstance(bucket_specs, Sequence) else self._checked(bucket_specs)
         updates = ({"names": [e[0] for e in bucket], "dtypes": [dtype_name(e[1]) for e in bucket],
-                    "shapes": [list(e[2]) for e in bucket], "group_name": group_name} for bucket in specs if bucket)
+                    "shapes": [list(e[2]) for e in bucket], "group_name": group_name, "load_format": FLATTENED}
+                   for bucket in specs if bucket)
         return self._update_session("update_weights_from_distributed", updates, version)
 
     def leave_weight_group(self, group_name: str) -> None:

@@ -1,15 +1,17 @@
 """A code push into a real SGLang engine (CPU, TP 1) leaves every quantized tensor bitwise what a BF16 push and the
 engine's re-quantization leave, whole and bucketed, full and partial; the refit check passes on both and names a
-layer quantized by one side only (verl PR 7519's case). Two engine starts per case: the slow lane."""
+layer quantized by one side only (verl PR 7519's case); by broadcast (the disaggregated layout) it installs what
+it installs by tensor. Two engine starts per case: the slow lane."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from qurl_mcore.recipe import engine_recipe
+from qurl_mcore.rollout.broadcast import broadcast_weights, close_weight_group, open_weight_group
 from qurl_mcore.rollout.codes import CodePush, engine_units
 from qurl_mcore.rollout.engine import RefitMismatch
-from qurl_mcore.transfer import buckets
+from qurl_mcore.transfer import buckets, free_port
 from tests.sglang.conftest import checkpoint_tensors, local_engine, model_path, noisy_layer0, prompt_ids, score
 
 pytestmark = pytest.mark.slow
@@ -82,5 +84,43 @@ def test_a_code_push_over_http_leaves_an_engine_serving_its_checkpoint_bitwise_u
         engine.verify_push(codes)
         assert len(codes.digests) == len(engine.installed_digests()) > 0
         assert torch.equal(score(engine, ids), before)
+    finally:
+        engine.shutdown()
+
+
+def test_a_code_push_by_broadcast_installs_what_the_same_push_by_tensor_installs():
+    """The disaggregated layout's path: NVFP4 codes (uint8), E4M3 scales (which gloo cannot broadcast as float8) and
+    fp32 global scales broadcast over gloo a bucket at a time as one byte buffer into an HTTP server, which installs
+    them with the loaders of a tensor push: the same codes, digests and log-probs, and the refit check passes."""
+    from qurl_mcore.rollout import EngineConfig, HttpEngine
+
+    path = model_path("qwen3_moe")
+    recipe = engine_recipe("qurl_fp4", "nvfp4", "all")
+    units = engine_units(path, recipe.groups)
+    original = checkpoint_tensors(path)
+    noisy = {k: v.to(torch.bfloat16) for k, v in noisy_layer0(original).items()}
+    config = EngineConfig(path, "qurl_fp4", {"fmt": "nvfp4", "scope": "all", "push": "codes"}, device="cpu",
+                          dtype="bfloat16", mem_fraction_static=0.2, max_total_tokens=4096, context_length=1024)
+    engine = HttpEngine.launch(config, startup_timeout=240, timeout=120)
+    try:
+        ids = prompt_ids(path)
+        by_tensor = CodePush(recipe.spec, units)
+        engine.push_weights((nt for b in by_tensor.buckets(_stream(noisy)) for nt in b), "tensor", bucket_bytes=BUCKET)
+        engine.verify_push(by_tensor)
+        want = engine.installed_digests(), score(engine, ids)
+        engine.push_weights((nt for b in CodePush(recipe.spec, units).buckets(_stream(original)) for nt in b), "orig")
+        assert engine.installed_digests() != want[0]
+        sender = open_weight_group([engine], "127.0.0.1", free_port(), group_name="qurl-codes", timeout=120)
+        try:
+            by_broadcast = CodePush(recipe.spec, units)
+            sent = [b for b in by_broadcast.buckets(_stream(noisy))]
+            assert torch.float8_e4m3fn in {t.dtype for b in sent for _, t in b}
+            assert broadcast_weights(sender, [engine], sent, "broadcast") == len(sent) > 1
+            engine.verify_push(by_broadcast)
+            got = engine.installed_digests(), score(engine, ids)
+        finally:
+            close_weight_group(sender, [engine])
+        assert by_broadcast.digests == by_tensor.digests
+        assert got[0] == want[0] and torch.equal(got[1], want[1])
     finally:
         engine.shutdown()

@@ -170,12 +170,12 @@ def test_engine_units_are_sglangs_fused_modules_per_layer_and_expert():
                      e + "up_proj.weight" + SCALE: (torch.uint8, [32, 2, 1]), "model.norm.weight": (None, [64])}
 
 
-def test_code_pushes_serve_tensor_pushes_at_any_tp_without_mla_attention_or_replicated_nvfp4_heads():
-    def mode(*over: str, mla: bool = False, kv_heads: int = 4) -> str:
-        model = types.SimpleNamespace(mla=mla, heads=8, kv_heads=kv_heads)  # the Shape fields push_mode reads
+def test_code_pushes_serve_every_layout_and_mla_but_not_replicated_nvfp4_heads():
+    def mode(*over: str, kv_heads: int = 4) -> str:
+        model = types.SimpleNamespace(heads=8, kv_heads=kv_heads)  # the Shape fields push_mode reads
         return load_config(None, list(over)).push_mode(model)
 
-    assert mode("precision=int8") == "bf16"  # the default until code pushes serve every layout
+    assert mode("precision=int8") == "bf16"  # the default: configs choose codes (the shipped ones auto)
     assert mode("precision=int8", "rollout.push=auto") == "codes"
     assert mode("precision=bf16", "rollout.push=codes") == "bf16"  # nothing to quantize
     assert mode("precision=int8", "rollout.push=bf16") == "bf16"
@@ -187,11 +187,27 @@ def test_code_pushes_serve_tensor_pushes_at_any_tp_without_mla_attention_or_repl
         mode("precision=fp4", "scope=all", "fp4_format=nvfp4", "rollout.tp_size=8", "rollout.push=codes")
     assert mode("precision=fp4", "scope=all", "fp4_format=mxfp4", "rollout.tp_size=8", "rollout.push=codes") == "codes"
     assert mode("precision=fp4", "fp4_format=nvfp4", "rollout.tp_size=8", "rollout.push=codes") == "codes"  # experts
-    with pytest.raises(ValueError, match="layout is disaggregated"):
-        mode("precision=int8", "layout=disaggregated", "rollout.push=codes")
-    with pytest.raises(ValueError, match="scope all quantizes MLA's kv_b_proj"):
-        mode("precision=int8", "rollout.push=codes", mla=True)
-    assert mode("precision=fp4", "rollout.push=codes", mla=True) == "codes"  # scope experts
+    # broadcast pushes carry codes as tensor pushes do; and where auto cannot, it pushes BF16
+    assert mode("precision=int8", "layout=disaggregated", "rollout.tp_size=8", "rollout.push=codes") == "codes"
+    assert mode("precision=fp4", "scope=all", "fp4_format=nvfp4", "rollout.tp_size=8", "layout=disaggregated",
+                "rollout.push=auto") == "bf16"
+
+
+def test_an_mla_code_push_sends_kv_b_proj_in_full_precision_beside_the_codes():
+    """DeepSeek-V3 under scope all pushes codes: q_b_proj and o_proj as codes, and kv_b_proj, whose full-precision
+    values the engine rebuilds MLA's decode weights from, as it is (no unit: the engine does not quantize it)."""
+    from qurl_mcore.models.registry import shape
+    from qurl_mcore.sizing import model_config
+
+    cfg = load_config(None, ["model.path=tiny-deepseek_v3", "precision=int8", "scope=all", "rollout.push=codes"])
+    assert cfg.push_mode(shape(model_config(cfg.model.path)[0])) == "codes"
+    units = engine_units(tiny_checkpoint("deepseek_v3"), cfg.recipe().engine.groups)
+    attn = "model.layers.0.self_attn."
+    assert {attn + "q_b_proj.weight", attn + "o_proj.weight"} <= units.keys()
+    assert not [n for n in units if "kv_b_proj" in n or "_a_proj" in n]
+    w = torch.randn(64, 32, dtype=torch.bfloat16)
+    (out,) = CodePush(cfg.recipe().engine.spec, units).buckets([[(attn + "kv_b_proj.weight", w)]])
+    assert [(n, t.dtype) for n, t in out] == [(attn + "kv_b_proj.weight", torch.bfloat16)] and torch.equal(out[0][1], w)
 
 
 def test_a_session_loads_codes_into_the_storage_that_serves_and_leaves_nothing_behind():
