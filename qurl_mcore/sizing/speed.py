@@ -3,6 +3,7 @@ ceiling of one engine (tokens/s bound by HBM bandwidth and tensor-core peak), bf
 precision."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -10,6 +11,8 @@ from ..config import Config
 from ..models.slots import Shape
 from ..precision import METHODS
 from ..quant.formats import FORMATS, TRITON_FP4
+from ..quant.linear import QuantLinearSpec
+from ..quant.wire import COLUMNS, ROWS, wire_specs
 from .gpus import GB, GPU, NVLINK_ALLREDUCE_S
 from .memory import _kv_beside, engine_bytes
 from .tensors import _DTYPE_BYTES, _quantized, hf_tensors, parameter_count
@@ -19,21 +22,31 @@ from .tensors import _DTYPE_BYTES, _quantized, hf_tensors, parameter_count
 
 def push_bytes(s: Shape, cfg: Config) -> dict[str, Any]:
     """One weight push: every HF tensor in rollout.dtype (the router's expert bias in fp32), or for a code push
-    (`Config.push_mode`) each weight the engines quantize as its codes and scales (`FormatSpec.weight_bytes`), in
-    export order, grouped greedily into buckets of at most rollout.push_bucket_mb MiB (a larger tensor travels
-    alone: `transfer.buckets`)."""
+    (`Config.push_mode`) each weight the engines quantize as its wire tensors (`quant.wire.wire_specs`: its codes
+    and scales as rollout.tp_size engine ranks quantize their shards, so a row-parallel weight's per-channel
+    scales travel as [rows, t], 4·rows·(t − 1) bytes more than the whole weight's), in export order, grouped
+    greedily into buckets of at most rollout.push_bucket_mb MiB (a larger tensor travels alone:
+    `transfer.buckets`)."""
     b, limit = _DTYPE_BYTES[cfg.rollout.dtype], cfg.rollout.push_bucket_mb << 20
     row, scope, fmt = cfg.resolved_precision()
     codes = _quantized(s, row.name, scope, "rollout") if cfg.push_mode(s) == "codes" else frozenset()
+    spec = cfg.recipe(te_available=False).engine.spec if codes else None
     buckets, size, largest, total = 0, 0, 0, 0
     for x in hf_tensors(s, cfg.train.pp_size, cfg.train.ep_size):
-        n = FORMATS[fmt].weight_bytes(*x.shape) if x.name in codes else x.bytes(b)
+        n = _wire_bytes(x.shape, spec, COLUMNS if x.columns else ROWS, cfg.rollout.tp_size) if x.name in codes \
+            else x.bytes(b)
         largest, total = max(largest, n), total + n
         if buckets == 0 or size + n > limit:
             buckets, size = buckets + 1, 0
         size += n
     return {"bytes": total, "buckets": buckets, "bucket_bytes": limit, "largest_tensor": largest,
             "codes": fmt if codes else None}
+
+
+@functools.lru_cache(maxsize=256)
+def _wire_bytes(shape: tuple[int, ...], spec: QuantLinearSpec, split: int, shards: int) -> int:
+    """Bytes of the wire tensors of one weight of `shape` (cached: an MoE's experts share a few shapes)."""
+    return sum(math.prod(dims) * dtype.itemsize for dtype, dims in wire_specs("w", shape, spec, split, shards).values())
 
 
 #: a full weight sync measured end to end (export gathers, buckets, the engines' loaders): miles' report

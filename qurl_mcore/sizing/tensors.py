@@ -37,13 +37,15 @@ class Tensor:
     slot in the architecture table (`qurl_mcore.models.slots.GROUPS`), which says how it is sharded: vocab rows
     (embedding, output), replicated (norm, router), over TP (attention with its biases, mlp, shared_experts)
     or over EP and ETP (experts). `fp32`: the tensor stays fp32 whatever rollout.dtype (`Slot.fp32`, the router's
-    expert bias: `megatron.convert.export_cast`)."""
+    expert bias: `megatron.convert.export_cast`). `columns`: a row-parallel linear's weight (`Slot.layout`
+    "columns"), which TP ranks split along its columns."""
 
     name: str
     shape: tuple[int, ...]
     layer: int | None
     kind: str
     fp32: bool = False
+    columns: bool = False
 
     def bytes(self, dtype_bytes: int) -> int:
         """Its bytes in a push or an engine whose rollout.dtype has `dtype_bytes` a value."""
@@ -85,7 +87,7 @@ def _layer_tensors(s: Shape, slots: tuple[Slot, ...], i: int, ep: int) -> list[l
     the order `megatron.export_hf_weights` yields them under EP: local expert j of each EP rank r."""
     local = s.experts // ep if s.experts else 0
     order = [r * local + j for j in range(local) for r in range(ep)]
-    return [[Tensor(t.format(layer=i, expert=e), shape, i, slot.group, slot.fp32)
+    return [[Tensor(t.format(layer=i, expert=e), shape, i, slot.group, slot.fp32, slot.layout == "columns")
              for e in (order if slot.per_expert else [None]) for t, shape in zip(slot.hf, slot.shapes(s))]
             if i in s.slot_layers(slot) else [] for slot in slots if slot.per_layer]
 

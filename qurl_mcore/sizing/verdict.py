@@ -50,11 +50,13 @@ def export_bytes(cfg: Config, trainer: dict[str, Any], push: dict[str, Any]) -> 
     or smoothed into the rollout's dtype) one bucket of them and the largest tensor twice (its gathered
     shards and their concatenation). Otherwise the buckets hold views of the parameters: nothing is added
     (the attention's q/k/v, re-laid out from Megatron's fused projection, are the exception: under 2% of the
-    states, `qurl plan --trace` measures them)."""
+    states, `qurl plan --trace` measures them). A broadcast push (disaggregated) adds the byte buffer each bucket
+    is sent in (`rollout.broadcast.WeightSender.send`)."""
     t = cfg.train
     copies = (t.tp_size * t.pp_size * t.ep_size > 1 or cfg.rollout.smoothing > 0
               or cfg.train_dtype(cuda=True) != getattr(torch, cfg.rollout.dtype))
-    return trainer["static"] + (push["bucket_bytes"] + 2 * push["largest_tensor"] if copies else 0)
+    sent = push["bucket_bytes"] if cfg.layout == "disaggregated" else 0
+    return trainer["static"] + sent + (push["bucket_bytes"] + 2 * push["largest_tensor"] if copies else 0)
 
 
 def _budget(s: Shape, cfg: Config, gpu: GPU, master: str) -> dict[str, Any]:
