@@ -70,8 +70,9 @@ class RolloutConfig:
     push_bucket_mb: int = 512  # bound on one weight-push bucket
     requant: Literal["eager", "compiled"] = "eager"  # engines' re-quantization per push; compiled: torch.compile'd
     # what a push to quantized engines carries: codes (the trainer's codes and scales, no masters in the engines),
-    # bf16 (full precision, re-quantized by the engines), auto: codes where they serve (qurl_mcore/rollout/codes.py);
-    # bf16 stays the default until code pushes serve every layout (docs/rollout.md, "Code pushes")
+    # bf16 (full precision, re-quantized by the engines), auto: codes where they serve (`Config.push_mode`: both
+    # layouts, all but NVFP4 attention whose k/v heads TP ranks replicate), which the shipped configs take; bf16
+    # stays the default until a code push's time goals hold for every format (docs/rollout.md, "Code pushes")
     push: Literal["auto", "codes", "bf16"] = "bf16"
     verify_push: bool = True  # after each push, compare the engines' installed codes with the trainer's (digests)
     # SmoothQuant migration strength α of the engines' copy (qurl_mcore/smoothing.py); 0: off

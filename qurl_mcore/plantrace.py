@@ -225,14 +225,17 @@ def _step(trainer, cfg: Config) -> None:
 
 
 def _push(trainer) -> None:
-    """A push's export (unsmoothed: rollout.smoothing's fold, one tensor at a time in fp32, is not traced),
-    broadcast bucket by bucket over the default group, which refuses host tensors as NCCL does."""
+    """A push's export (unsmoothed: rollout.smoothing's fold, one tensor at a time in fp32, is not traced), bucket
+    by bucket; in the disaggregated layout broadcast over the default group as rank 0 sends it (a byte buffer a
+    bucket, `WeightSender.send`), while a colocated push hands the buckets' own tensors to its engine."""
     from qurl_mcore.rollout.broadcast import WeightSender
 
-    sender = WeightSender(None, "qurl-trace", "nccl", torch.distributed.get_world_size())
+    disaggregated = trainer.cfg.layout == "disaggregated"
+    sender = WeightSender(None, "qurl-trace", "nccl", torch.distributed.get_world_size()) if disaggregated else None
     with trainer.weight_stream() as stream:
         for bucket in stream:
-            sender.send(bucket)
+            if sender is not None:
+                sender.send(bucket)
 
 
 def engine_layers(s) -> dict[str, int]:

@@ -57,11 +57,14 @@ def test_glm4_moe_loop(tmp_path):
 @pytest.mark.slow
 def test_deepseek_v3_loop(tmp_path):
     """Two steps on tiny-deepseek_v3 (MLA, a dense first layer, shared expert, group-limited sigmoid routing):
-    the 8-bit rollout of the shipped DeepSeek-V3 config (INT8 W8A8 engine, UAQ's MLA pairs), the engine's routing
-    replayed in the trainer (R3). Its engine runs MLA's absorbed path on the torch-native backend
-    (qurl_mcore/sglang/cpu.py)."""
-    train(tmp_path, "model.path=tiny-deepseek_v3", "steps=2", "precision=int8", "uaq.enabled=true",
-          "train.routing_replay=r3")
+    the 8-bit rollout of the shipped DeepSeek-V3 config (INT8 W8A8 engine, UAQ's MLA pairs, code pushes: q_b_proj
+    and o_proj as codes, kv_b_proj in full precision beside them), the engine's routing replayed in the trainer
+    (R3). Its engine runs MLA's absorbed path on the torch-native backend (qurl_mcore/sglang/cpu.py), with the
+    decode weights it rebuilds from the pushed kv_b_proj."""
+    overrides = ("model.path=tiny-deepseek_v3", "steps=2", "precision=int8", "uaq.enabled=true",
+                 "train.routing_replay=r3", "rollout.push=codes")
+    train(tmp_path, *overrides)
+    assert_code_pushes(tmp_path, *overrides)
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["train/skipped_nonfinite"] == 0 and r["mismatch/prob_pearson"] > 0.9 for r in records)

@@ -16,8 +16,10 @@ from tests.sglang.conftest import checkpoint_tensors, local_engine, model_path, 
 
 pytestmark = pytest.mark.slow
 
-#: (model, method, format, scope): every format, dense and MoE, both scopes
-CASES = [("qwen3_moe", "qurl_int8", "int8", "all"), ("qwen3", "qurl_fp8", "fp8_e4m3", "all"),
+#: (model, method, format, scope): every format, dense and MoE, both scopes, and MLA under scope all (its engine
+#: rebuilds the decode weights from the kv_b_proj pushed beside the codes, which the log-probs see)
+CASES = [("qwen3_moe", "qurl_int8", "int8", "all"), ("deepseek_v3", "qurl_int8", "int8", "all"),
+         ("qwen3", "qurl_fp8", "fp8_e4m3", "all"),
          ("qwen3_moe", "qurl_fp4", "nvfp4", "all"), ("qwen3", "qurl_fp4_rc", "mxfp4", "all"),
          ("qwen3_moe", "qurl_fp4_rc", "mxfp4", "experts")]
 #: small buckets, so that units straddle them
