@@ -55,7 +55,7 @@ def push_flattened(engine, buckets: list[list[tuple[str, torch.Tensor]]]) -> Non
 def push_distributed(engine, buckets: list[list[tuple[str, torch.Tensor]]], group_name: str) -> None:
     """slime's disaggregated push (update_weight_from_distributed.py:285-353): the engine joins a weight group
     with the trainer's rank 0 (gloo here, NCCL on GPUs); per bucket, the engine's `update_weights_from_distributed`
-    receives what rank 0 broadcasts at the same time."""
+    receives what rank 0 broadcasts at the same time, one broadcast a tensor as slime sends them."""
     from qurl_mcore.rollout.broadcast import WeightSender
     from qurl_mcore.transfer import free_port
 
@@ -75,7 +75,8 @@ def push_distributed(engine, buckets: list[list[tuple[str, torch.Tensor]]], grou
         receive = engine_side("update_weights_from_distributed", names=[n for n, _ in bucket],
                               dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
                               shapes=[list(t.shape) for _, t in bucket], group_name=group_name, flush_cache=False)
-        sender.send(bucket)
+        for work in [torch.distributed.broadcast(t, src=0, group=sender.group, async_op=True) for _, t in bucket]:
+            work.wait()
         receive.join()
     sender.close()
     results.append(engine.destroy_weights_update_group(group_name))
