@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 #: (model, method, format, scope): every format, dense and MoE, both scopes
 CASES = [("qwen3_moe", "qurl_int8", "int8", "all"), ("qwen3", "qurl_fp8", "fp8_e4m3", "all"),
          ("qwen3_moe", "qurl_fp4", "nvfp4", "all"), ("qwen3", "qurl_fp4_rc", "mxfp4", "all"),
-         ("qwen3_moe", "qurl_fp4_rc", "mxfp4", "experts")]
+         ("qwen3_moe", "qurl_fp4_rc", "mxfp4", "experts"), ("qwen3_moe", "qurl_fp4_rc", "hif4", "all")]
 #: small buckets, so that units straddle them
 BUCKET = 96 << 10
 
