@@ -23,8 +23,8 @@ back to the host; `quantize` raises on it).
 Storage (`qtensor.QTensor` of format "hif4", `pack_scale`): codes packed two per byte as every FP4 format's (the
 first element in the low nibble), and per unit the 32 bits of scale as 4 bytes: byte 0 the E6M2 code, byte 1
 the level-2 bits (bit i: G8 i), bytes 2-3 the level-3 bits (bit j of the little-endian 16-bit word: G4 j). The
-public material fixes the bit budget (32 bits a unit) and CANN's HiF4 GEMMs take 4 uint8 scale columns per 64
-elements, but not the order of the micro bits within them: this order is ours.
+public material fixes the bit budget (32 bits a unit), and CANN's PTO-ISA HiF4 GEMMs read the scales as uint8
+columns per 64-element group, but it does not fix the order of the bits within them: this order is ours.
 """
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ UNIT = 64  # elements sharing the E6M2 scale
 MICRO8 = 8  # elements sharing a level-2 bit
 MICRO4 = 4  # elements sharing a level-3 bit
 BITS_PER_VALUE = (UNIT * 4 + 8 + UNIT // MICRO8 + UNIT // MICRO4) / UNIT  # 4.5
-SCALE_BYTES = (8 + UNIT // MICRO8 + UNIT // MICRO4) // 8  # 4
 
 
 def sub_scales(unit_scale: torch.Tensor, micro8: torch.Tensor, micro4: torch.Tensor) -> torch.Tensor:
