@@ -7,7 +7,7 @@ The model is the tiny random Qwen3-MoE shape (2 layers, hidden 128, 4 experts to
 a 1024-token vocabulary so that the output layer does not dominate. Models are timed round-robin, so a
 slow spell of the machine hits all of them alike.
 
-Usage: python benchmarks/megatron_precisions.py [--scope experts|all] [--fmt nvfp4] [--batch 4] [--seq 128]
+Usage: python benchmarks/megatron_precisions.py [--scope experts|all] [--fmt nvfp4|mxfp4|hif4] [--batch 4] [--seq 128]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from qurl_mcore.megatron.gpt import gpt_config
 from qurl_mcore.megatron.parallel import destroy_parallel, init_parallel
 from qurl_mcore.megatron.spec import gpt_spec
 from qurl_mcore.models.tiny import tiny_checkpoint
-from qurl_mcore.precision import PRECISIONS
+from qurl_mcore.precision import FP4_FORMATS, PRECISIONS
 from qurl_mcore.recipe import resolve
 
 VOCAB = 1024
@@ -44,7 +44,7 @@ def step(model, ids: torch.Tensor) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scope", default="experts", choices=["experts", "all"])
-    ap.add_argument("--fmt", default="nvfp4", choices=["nvfp4", "mxfp4"])
+    ap.add_argument("--fmt", default="nvfp4", choices=FP4_FORMATS)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)

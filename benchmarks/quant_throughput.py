@@ -87,7 +87,7 @@ def main() -> None:
     print(f"{'mode':<14} {'format':<10} {'ms':>8} {'x plain':>8}")
     for mode, fmt in [("bf16", None), ("rc_none", "int8"), ("rc_none", "fp8_e4m3"), ("rc_none", "nvfp4"),
                       ("rc_forward", "nvfp4"), ("rc_backward", "nvfp4"), ("rc_both", "nvfp4"),
-                      ("rc_both", "mxfp4")]:
+                      ("rc_both", "mxfp4"), ("rc_both", "hif4")]:
         spec = make_spec(mode, fmt)
         t = median_seconds(lambda: fwd_bwd(spec), args.repeats)
         print(f"{mode:<14} {fmt or '-':<10} {t * 1e3:>8.1f} {t / base:>7.1f}x")

@@ -33,7 +33,7 @@ SCOPES: dict[str, frozenset[str]] = {
     "all": frozenset(LINEAR_GROUPS),
 }
 
-FP4_FORMATS = ("nvfp4", "mxfp4")
+FP4_FORMATS = ("nvfp4", "mxfp4", "hif4")
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .models.smollm2 import load_tensor
-from .quant import WEIGHT_BLOCK, PerBlock, PerRow, QTensor, fake_quantize, hif4, quantize, residual_fake_quantize
+from .quant import WEIGHT_BLOCK, PerBlock, PerRow, QTensor, fake_quantize, quantize, residual_fake_quantize
 
 #: (format, granularity) pairs worth comparing on a weight: W8 per channel as QuRL rolls out, 8-bit 128x128
 #: blocks as DeepSeek-style FP8 training does, FP4 on its own blocks as MoEResQ does.
 WEIGHT_CASES = [(f, PerRow()) for f in ("int8", "fp8_e4m3", "fp8_e5m2")] + \
-    [(f, PerBlock(WEIGHT_BLOCK)) for f in ("int8", "fp8_e4m3")] + [("nvfp4", PerBlock()), ("mxfp4", PerBlock())] + \
-    [(hif4.NAME, hif4.LAYOUT)]
+    [(f, PerBlock(WEIGHT_BLOCK)) for f in ("int8", "fp8_e4m3")] + [(f, PerBlock()) for f in ("nvfp4", "mxfp4", "hif4")]
 
 
 @dataclass
@@ -31,7 +30,7 @@ class Row:
 
 
 def bits_per_element(q: QTensor) -> float:
-    """Stored bits (codes + scales + the NVFP4 global scale) divided by the element count."""
+    """Stored bits (codes + scales + the NVFP4 global scale) divided by the element count (HiF4: 4.5)."""
     bits = q.data.numel() * q.data.element_size() * 8 + q.scale.numel() * q.scale.element_size() * 8
     if q.global_scale is not None:
         bits += 32
@@ -42,12 +41,6 @@ def measure(w: torch.Tensor, cases=WEIGHT_CASES) -> list[Row]:
     rows = []
     norm = w.norm()
     for fmt, gran in cases:
-        if fmt == hif4.NAME:  # its own quantizer: HiF4 has no QTensor storage (docs/numerics.md)
-            q = hif4.fake_quantize(w)
-            err_q = float((q - w).norm() / norm)
-            err_rc = float((q + hif4.fake_quantize(w - q) - w).norm() / norm)
-            rows.append(Row(fmt, gran, hif4.BITS_PER_VALUE, err_q, err_rc, err_q / err_rc))
-            continue
         err_q = float((fake_quantize(w, fmt, gran) - w).norm() / norm)
         err_rc = float((residual_fake_quantize(w, fmt, gran) - w).norm() / norm)
         bits = bits_per_element(quantize(w, fmt, gran))

@@ -279,7 +279,7 @@ def test_activations_by_hand():
 
 
 @pytest.mark.parametrize("method,fmt", [("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"),
-                                        ("qurl_fp4", "mxfp4")])
+                                        ("qurl_fp4", "mxfp4"), ("qurl_fp4", "hif4")])
 @pytest.mark.parametrize("shape", [(96, 64), (48, 72)])
 def test_weight_format_bytes_equal_real_quantized_weights(method, fmt, shape):
     from qurl_mcore.quant import quantize_weight

@@ -1,7 +1,8 @@
-"""Element formats: INT8, FP8 (E4M3, E5M2), FP4 E2M1 (for NVFP4 and MXFP4), and their scale encodings.
+"""Element formats: INT8, FP8 (E4M3, E5M2), FP4 E2M1 (for NVFP4 and MXFP4), FP4 E1M2 (for HiF4), and their
+scale encodings.
 
 Every function here maps *already scaled* values to a format's grid and back; choosing scales is
-`qtensor.py`'s job. All rounding is round-to-nearest-even (RNE).
+`qtensor.py`'s job (HiF4's three levels: `hif4.py`). All rounding is round-to-nearest-even (RNE).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)  # after an even code
 _E2M1_TIES_UP = (0.75, 1.75, 3.5)  # after an odd code
 E2M1_MAX = 6.0
+E1M2_MAX = 1.75
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 INT8_MAX = 127.0
@@ -33,11 +35,13 @@ class Family(Enum):
 
 
 class ScaleEncoding(Enum):
-    """How a format stores its scales: (bytes of one group's scale, bytes of one per-tensor scale)."""
+    """How a format stores its scales: (bytes of one group's scale, bytes of one per-tensor scale, entries of
+    one group's scale: the trailing dim of `QTensor.scale`)."""
 
-    FP32 = (4, 0)  # one fp32 scale per group
-    E4M3_FP32 = (1, 4)  # NVFP4: an E4M3 scale per block times an fp32 scale per tensor
-    E8M0 = (1, 0)  # MXFP4: a power-of-two scale per block, stored as a biased 8-bit exponent
+    FP32 = (4, 0, 1)  # one fp32 scale per group
+    E4M3_FP32 = (1, 4, 1)  # NVFP4: an E4M3 scale per block times an fp32 scale per tensor
+    E8M0 = (1, 0, 1)  # MXFP4: a power-of-two scale per block, stored as a biased 8-bit exponent
+    HIF4 = (4, 0, 4)  # HiF4: per 64-element unit an E6M2 scale and 8 + 16 micro-exponent bits, 4 bytes (hif4.py)
 
 
 #: GEMM kernels that take a format's codes as stored: `quant.gemm`'s backends (torch._int_mm, torch._scaled_mm)
@@ -61,6 +65,7 @@ class FormatSpec:
     scale_encoding: ScaleEncoding
     block: int | None = None
     kernels: frozenset[str] = frozenset()
+    element: str | None = None
 
     @property
     def is_fp4(self) -> bool:
@@ -70,6 +75,16 @@ class FormatSpec:
     def scale_bytes(self) -> int:
         """Bytes of one group's scale (a row's, a block's)."""
         return self.scale_encoding.value[0]
+
+    @property
+    def blocks_only(self) -> bool:
+        """Whether the format scales its own blocks only (HiF4: its three levels live within a unit)."""
+        return self.scale_encoding is ScaleEncoding.HIF4
+
+    @property
+    def scale_width(self) -> int:
+        """Entries of one group's scale (the trailing dim of `QTensor.scale`): 1, HiF4's 4 bytes a unit."""
+        return self.scale_encoding.value[2]
 
     @property
     def tensor_scale_bytes(self) -> int:
@@ -91,10 +106,34 @@ FORMATS: dict[str, FormatSpec] = {f.name: f for f in (
                kernels=frozenset({SCALED_MM, SGLANG_W8A8})),
     FormatSpec("fp8_e5m2", Family.FP8, 8, E5M2_MAX, torch.float8_e5m2, ScaleEncoding.FP32),
     FormatSpec("nvfp4", Family.FP4, 4, E2M1_MAX, torch.uint8, ScaleEncoding.E4M3_FP32, block=16,
-               kernels=frozenset({TRITON_FP4})),
+               kernels=frozenset({TRITON_FP4}), element="e2m1"),
     FormatSpec("mxfp4", Family.FP4, 4, E2M1_MAX, torch.uint8, ScaleEncoding.E8M0, block=32,
-               kernels=frozenset({TRITON_FP4})),
+               kernels=frozenset({TRITON_FP4}), element="e2m1"),
+    FormatSpec("hif4", Family.FP4, 4, E1M2_MAX, torch.uint8, ScaleEncoding.HIF4, block=64, element="e1m2"),
 )}
+
+
+def quotient(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+    """a / b in fp32, rounded once (IEEE division) on every device, eagerly and under torch.compile alike, so
+    that a GPU picks the scales and codes a CPU does.
+
+    On CUDA, PyTorch's eager kernel divides by a Python number as a product with its fp32 reciprocal (up to
+    1 ulp off): the divisor goes in as a tensor on a's device. Compiled for a GPU, inductor does the same to a
+    constant divisor and Triton's fp32 `/` is approximate (up to 2 ulp): there the quotient is formed in fp64
+    (`quotient_fp64`)."""
+    if torch.compiler.is_compiling() and a.device.type != "cpu":
+        return quotient_fp64(a, b)
+    if not isinstance(b, torch.Tensor) and a.device.type != "cpu":
+        b = torch.full((), b, dtype=torch.float32, device=a.device)
+    return torch.div(a, b).to(torch.float32)
+
+
+def quotient_fp64(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+    """a / b formed in fp64 and rounded once to fp32: fp32's correctly rounded quotient. The exact quotient
+    of two fp32 numbers is never an fp32 rounding boundary and, when not on one, lies at least 2^-49 (relative)
+    from the nearest; fp64's quotient, or its product with a rounded reciprocal, is within 2^-52 of exact, so
+    it rounds to the same fp32 (tests/quant/test_qtensor.py checks both against fp32 division bitwise)."""
+    return (a.to(torch.float64) / (b.to(torch.float64) if isinstance(b, torch.Tensor) else b)).to(torch.float32)
 
 
 def get_format(fmt: str) -> FormatSpec:
@@ -109,20 +148,21 @@ def encode(scaled: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
     """Round scaled fp32 values to the format's grid (RNE, saturating at ±max) and return the stored codes.
     `scaled` is a temporary of the caller's and is overwritten (a pass and an allocation fewer per step).
 
-    INT8 -> int8 values; FP8 -> torch.float8_* values; FP4 -> uint8 E2M1 codes, one per element (unpacked).
+    INT8 -> int8 values; FP8 -> torch.float8_* values; FP4 -> uint8 codes of its element (E2M1, E1M2), one per
+    element (unpacked).
     """
     clamped = scaled.clamp_(-spec.max_value, spec.max_value)
     if spec.family is Family.INT:
         return clamped.round_().to(spec.storage_dtype)  # torch's round is half-to-even
     if spec.is_fp4:
-        return e2m1_encode(clamped)
+        return FP4_ELEMENTS[spec.element][0](clamped)
     return clamped.to(spec.storage_dtype)  # torch's float8 cast is RNE
 
 
 def decode(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
     """Inverse of `encode`: stored codes -> fp32 values on the unscaled grid."""
     if spec.is_fp4:
-        return e2m1_decode(codes)
+        return FP4_ELEMENTS[spec.element][1](codes)
     return codes.to(torch.float32)
 
 
@@ -219,14 +259,15 @@ def e8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
 
 # ---- HiF4's codes (the block quantizer is `hif4.py`) ----------------------------------------------------------
 
-#: HiFloat4's element (Huawei CANN `hifloat4.h`): S1E1M2, bias 1, so the magnitudes are k/4 for k = 0..7:
-#: 0.25, 0.5, 0.75 subnormal, 1 to 1.75 normal. Bit 3 is the sign, as for E2M1.
-E1M2_MAX = 1.75
+# HiFloat4's element (Huawei CANN `hifloat4.h`): S1E1M2, bias 1, so the magnitudes are k/4 for k = 0..7:
+# 0.25, 0.5, 0.75 subnormal, 1 to 1.75 normal (E1M2_MAX). Bit 3 is the sign, as for E2M1.
 #: HiF4's unit scale: E6M2, exponent bias 48, no subnormals; code 0 is zero. CANN's converter saturates at
-#: exponent 63 with mantissa 2 (1.5 · 2^15), leaving the all-ones code unused.
+#: exponent 63 with mantissa 2 (1.5 · 2^15), leaving the all-ones code unused: here it is NaN (E6M2_NAN), the
+#: scale of a unit with a non-finite value, as E8M0's 255 is.
 E6M2_BIAS = 48
 E6M2_MAX = 1.5 * 2.0**15
 E6M2_MIN = 1.25 * 2.0**-E6M2_BIAS  # the smallest non-zero code (1): 2^-48 itself is code 0, zero
+E6M2_NAN = 255
 
 
 def e1m2_encode(x: torch.Tensor) -> torch.Tensor:
@@ -260,7 +301,11 @@ def e6m2_encode(v: torch.Tensor) -> torch.Tensor:
 
 
 def e6m2_decode(codes: torch.Tensor) -> torch.Tensor:
-    """E6M2 codes -> fp32: (1 + m/4)·2^(e-48) for code = e·4 + m, and code 0 is zero."""
+    """E6M2 codes -> fp32: (1 + m/4)·2^(e-48) for code = e·4 + m, code 0 is zero and E6M2_NAN NaN."""
     c = codes.to(torch.int32)
     value = torch.ldexp(1.0 + (c & 0x3).to(torch.float32) * 0.25, (c >> 2) - E6M2_BIAS)
-    return torch.where(c > 0, value, 0.0)
+    return torch.where(c == E6M2_NAN, float("nan"), torch.where(c > 0, value, 0.0))
+
+
+#: an FP4 element's (encode, decode) by `FormatSpec.element`: codes carry the sign in bit 3 in both
+FP4_ELEMENTS = {"e2m1": (e2m1_encode, e2m1_decode), "e1m2": (e1m2_encode, e1m2_decode)}

@@ -5,7 +5,8 @@ a tensor as [groups..., elements per group], one scale per group:
   PerTensor      one group: the whole tensor
   PerRow         one group per output row of a weight (per channel; everything but the last dim indexes a row)
   PerToken       one group per token row of activations (PerRow's grouping, named for its use)
-  PerBlock(r, c) r x c tiles. FP4 formats have their own 1 x 16 (NVFP4) / 1 x 32 (MXFP4) blocks; INT8/FP8
+  PerBlock(r, c) r x c tiles. FP4 formats have their own 1 x 16 (NVFP4) / 1 x 32 (MXFP4) / 1 x 64 (HiF4, the
+                 only granularity it takes) blocks; INT8/FP8
                  take `size`, 1 x 128 (`ACT_BLOCK`) by default. Partial edge tiles are zero-padded, which
                  changes no amax.
 `GRANULARITIES` names them ("tensor", "channel", "token", "block"), as configs and reports spell them.
@@ -134,6 +135,9 @@ def for_format(granularity: Granularity | str, spec: FormatSpec,
     if not isinstance(g, PerBlock):
         if block_shape is not None:
             raise ValueError("block_shape only applies to granularity='block'")
+        if spec.blocks_only:
+            raise ValueError(f"{spec.name} scales its own 1 x {spec.block} units of a row, not per {g}; "
+                             "use granularity 'block'")
         return g
     if block_shape is not None and g.size not in (None, tuple(block_shape)):
         raise ValueError(f"{g} gives its block as {g.size}; drop block_shape={block_shape}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .fake import residual_quantize
-from .formats import get_format
+from .formats import FORMATS, get_format
 from .gemm import BACKENDS, quantized_matmul_sum
 from .granularity import GRANULARITIES, Granularity, PerBlock, PerRow, PerToken, for_format
 from .grouped import Groups, grouped_mm
@@ -73,7 +73,7 @@ def make_spec(
             raise ValueError(f"mode 'bf16' quantizes nothing; drop fmt={fmt!r} or pick a quantized mode")
         return QuantLinearSpec(backend=backend)
     if fmt is None:
-        raise ValueError(f"mode {mode!r} needs a format: fmt= one of int8, fp8_e4m3, fp8_e5m2, nvfp4, mxfp4")
+        raise ValueError(f"mode {mode!r} needs a format: fmt= one of {', '.join(FORMATS)}")
     spec = get_format(fmt)
     default = PerBlock() if spec.is_fp4 else None
     grans = {
@@ -103,7 +103,7 @@ def _compiled_quantize_weight():
 
 def quantize_weight_compiled(weight: torch.Tensor, spec: QuantLinearSpec) -> QTensor:
     """`quantize_weight` fused by torch.compile: bitwise the same QTensor in fewer passes over W (on GPUs too,
-    `qtensor.quotient`; torch 2.11's inductor changes an NVFP4 block scale in about 1 of 2M: docs/megatron.md).
+    `formats.quotient`; torch 2.11's inductor changes an NVFP4 block scale in about 1 of 2M: docs/megatron.md).
     The first call per spec compiles (seconds; a C++ compiler on CPU, Triton on GPU)."""
     return _compiled_quantize_weight()(weight, spec)
 

@@ -5,7 +5,10 @@ Scaling, for a group G of elements that shares one scale (the granularity decide
   MXFP4:       s = 2^(floor(log2 amax(G)) - 2) (E8M0),   q = E2M1(clamp(x / s, ±6)),   x' = q * s
   NVFP4:       g = amax(x) / (6 * 448) (fp32, per tensor),
                b = E4M3(amax(G) / 6 / g) per 16-element block,  q = E2M1(x / (b * g)),  x' = q * b * g
-A group of zeros gets scale 1 (or the smallest E8M0 / a zero E4M3 block scale) and decodes to zeros.
+  HiF4:        per 64-element unit a = E6M2(amax(G) / 7), per 8 elements a bit b, per 4 a bit c (`hif4.py`),
+               q = E1M2(x / s),  x' = q * s,  s = a * 2^b * 2^c
+A group of zeros gets scale 1 (or the smallest E8M0 / a zero E4M3 block scale / a zero E6M2 scale) and decodes
+to zeros.
 
 The groups are the granularity's (`granularity.py`: per tensor, row, token, or block).
 """
@@ -18,8 +21,10 @@ from typing import Iterator
 
 import torch
 
+from . import hif4
 from .formats import (
-    E4M3_MAX, E8M0_BIAS, FormatSpec, ScaleEncoding, decode, e8m0_exponent, encode, get_format, pack_fp4, unpack_fp4,
+    E4M3_MAX, E8M0_BIAS, FormatSpec, ScaleEncoding, decode, e8m0_exponent, encode, get_format, pack_fp4, quotient,
+    unpack_fp4,
 )
 from .granularity import Granularity, PerBlock, for_format
 
@@ -28,8 +33,9 @@ from .granularity import Granularity, PerBlock, for_format
 class QTensor:
     """A quantized tensor: `data` holds the codes in the original layout (INT8 as int8, FP8 as torch.float8_*,
     FP4 packed two per uint8 along the last dim), `scale` one entry per group in grouped layout
-    ([groups..., 1]; fp32, or float8_e4m3fn for NVFP4 blocks, or uint8 biased exponents for MXFP4), and
-    `global_scale` the NVFP4 per-tensor fp32 scale. `granularity` is the one applied (a block with its size)."""
+    ([groups..., 1]; fp32, or float8_e4m3fn for NVFP4 blocks, or uint8 biased exponents for MXFP4; HiF4: its
+    unit's 4 scale bytes, [groups..., 4] uint8, `hif4.pack_scale`), and `global_scale` the NVFP4 per-tensor fp32
+    scale. `granularity` is the one applied (a block with its size)."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -60,8 +66,11 @@ class QTensor:
         return self.data
 
     def scale_fp32(self) -> torch.Tensor:
-        """The decoded per-group scale ([groups..., 1], fp32) that multiplies the element values."""
+        """The decoded scale that multiplies the element values, fp32 [groups..., parts]: one per group (parts 1),
+        HiF4 one per 4 elements of its unit (16 parts, s = a·2^b·2^c)."""
         encoding = self.spec.scale_encoding
+        if encoding is ScaleEncoding.HIF4:
+            return hif4.sub_scales(*hif4.unpack_scale(self.scale))
         if encoding is ScaleEncoding.E8M0:
             return torch.exp2(self.scale.to(torch.float32) - E8M0_BIAS)
         if encoding is ScaleEncoding.E4M3_FP32 and self.global_scale is not None:  # one per tensor of a batch
@@ -71,12 +80,14 @@ class QTensor:
         return self.scale.to(torch.float32)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x' = decode(codes) * scale, back in the original shape and dtype (or `dtype`). The scale is taken
-        in group order, so a stack of row-grouped QTensors (`sglang.weights.stack`: [E, rows, groups, 1]
-        scales, [E] global scales) dequantizes as one."""
+        """x' = decode(codes) * scale, each part of a group times its scale (`scale_fp32`), back in the original
+        shape and dtype (or `dtype`). The scale is taken in group order, so a stack of row-grouped QTensors
+        (`sglang.weights.stack`: [E, rows, groups, 1] scales, [E] global scales) dequantizes as one."""
         groups = self.granularity.group(decode(self.codes(), self.spec), self.shape)
-        values = groups * self.scale_fp32().reshape(*groups.shape[:-1], 1)
-        return self.granularity.ungroup(values, self.shape).to(dtype or self.dtype)
+        scale = self.scale_fp32()
+        parts = scale.shape[-1]
+        values = groups.unflatten(-1, (parts, -1)) * scale.reshape(*groups.shape[:-1], parts, 1)
+        return self.granularity.ungroup(values.flatten(-2), self.shape).to(dtype or self.dtype)
 
 
 _NO_HOST_READS: ContextVar[bool] = ContextVar("no_host_reads", default=False)
@@ -100,29 +111,6 @@ def _in_graph(x: torch.Tensor) -> bool:
     raising."""
     return (torch.compiler.is_compiling() or _NO_HOST_READS.get()
             or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
-
-
-def quotient(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
-    """a / b in fp32, rounded once (IEEE division) on every device, eagerly and under torch.compile alike, so
-    that a GPU picks the scales and codes a CPU does.
-
-    On CUDA, PyTorch's eager kernel divides by a Python number as a product with its fp32 reciprocal (up to
-    1 ulp off): the divisor goes in as a tensor on a's device. Compiled for a GPU, inductor does the same to a
-    constant divisor and Triton's fp32 `/` is approximate (up to 2 ulp): there the quotient is formed in fp64
-    (`quotient_fp64`)."""
-    if torch.compiler.is_compiling() and a.device.type != "cpu":
-        return quotient_fp64(a, b)
-    if not isinstance(b, torch.Tensor) and a.device.type != "cpu":
-        b = torch.full((), b, dtype=torch.float32, device=a.device)
-    return torch.div(a, b).to(torch.float32)
-
-
-def quotient_fp64(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
-    """a / b formed in fp64 and rounded once to fp32: fp32's correctly rounded quotient. The exact quotient
-    of two fp32 numbers is never an fp32 rounding boundary and, when not on one, lies at least 2^-49 (relative)
-    from the nearest; fp64's quotient, or its product with a rounded reciprocal, is within 2^-52 of exact, so
-    it rounds to the same fp32 (tests/quant/test_qtensor.py checks both against fp32 division bitwise)."""
-    return (a.to(torch.float64) / (b.to(torch.float64) if isinstance(b, torch.Tensor) else b)).to(torch.float32)
 
 
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
@@ -161,6 +149,8 @@ def quantize(
     # x stays in its dtype until the division below promotes it to fp32 (the same values, one pass fewer); a
     # NaN or inf anywhere shows in its group's amax, so the finiteness check reads the amax, not all of x
     g = gran.group(x.detach(), x.shape)
+    if spec.scale_encoding is ScaleEncoding.HIF4:
+        return _quantize_hif4(x, g, spec, gran)
     amax = torch.maximum(g.amax(dim=-1, keepdim=True), g.amin(dim=-1, keepdim=True).neg()).to(torch.float32)
     if not _in_graph(x) and not bool(torch.isfinite(amax).all()):
         check_finite(x)
@@ -190,3 +180,15 @@ def quantize(
     codes = gran.ungroup(encode(scaled, spec), x.shape)  # storage drops the padding of partial blocks
     data = pack_fp4(codes.reshape(-1) if codes.dim() == 0 else codes) if spec.is_fp4 else codes
     return QTensor(data, scale, fmt, gran, x.shape, x.dtype, global_scale)
+
+
+def _quantize_hif4(x: torch.Tensor, units: torch.Tensor, spec: FormatSpec, gran: Granularity) -> QTensor:
+    """HiF4 of x, grouped into its 64-element units (`units` [rows, units, 64]): `hif4.quantize_units`, codes
+    packed as every FP4 format's, the three levels of scale packed into 4 bytes a unit (`hif4.pack_scale`).
+    Each unit is scaled on its own (no per-tensor scale), so batch_dims changes nothing."""
+    if not _in_graph(x) and not bool(torch.isfinite(units).all()):
+        check_finite(x)
+    codes, unit_scale, micro8, micro4 = hif4.quantize_units(units)
+    codes = gran.ungroup(codes, x.shape)  # storage drops the padding of a partial unit
+    data = pack_fp4(codes.reshape(-1) if codes.dim() == 0 else codes)
+    return QTensor(data, hif4.pack_scale(unit_scale, micro8, micro4), spec.name, gran, x.shape, x.dtype)

@@ -5,7 +5,8 @@ expert's gate/up (w13) or down (w2). `encode_unit` quantizes a unit's HF tensors
 engine's order, with the engine's recipe, and splits the result back by rows, so that each HF weight `W` travels as
 
   W                  its codes (`QTensor.data`: int8, float8, or FP4 packed two per uint8 along the last dim)
-  W + SCALE          its rows' scales (`QTensor.scale` rows: fp32 per row, E4M3 or E8M0 per 1 x n block)
+  W + SCALE          its rows' scales (`QTensor.scale` rows: fp32 per row, E4M3 or E8M0 per 1 x n block, HiF4's
+                     4 bytes per 64-element unit)
   W + GLOBAL_SCALE   NVFP4 only: the unit's per-tensor fp32 scale (the same for every member of the unit)
 
 Every engine weight granularity groups within a row, so the codes and scales of a row depend on that row alone,
@@ -109,9 +110,9 @@ def wire_specs(name: str, shape: Sequence[int], spec: QuantLinearSpec, split: in
     width = cols // parts
     codes = [rows, parts * ((width + 1) // 2)] if fmt.is_fp4 else [rows, cols]
     gran = spec.weight_granularity
-    scale = [rows, parts * -(-width // gran.size[1]), 1] if isinstance(gran, PerBlock) else [rows, parts]
+    scale = [rows, parts * -(-width // gran.size[1]), fmt.scale_width] if isinstance(gran, PerBlock) else [rows, parts]
     scale_dtype = {ScaleEncoding.FP32: torch.float32, ScaleEncoding.E4M3_FP32: torch.float8_e4m3fn,
-                   ScaleEncoding.E8M0: torch.uint8}[fmt.scale_encoding]
+                   ScaleEncoding.E8M0: torch.uint8, ScaleEncoding.HIF4: torch.uint8}[fmt.scale_encoding]
     out = {name: (fmt.storage_dtype, codes), name + SCALE: (scale_dtype, scale)}
     if has_global_scale(spec):
         out[name + GLOBAL_SCALE] = (torch.float32, [shards])

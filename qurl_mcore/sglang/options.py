@@ -6,14 +6,14 @@ the trainer); `QurlOptions.recipe` is what the engine computes, built once per e
 
   qurl_int8    W8A8 INT8: per-channel weights, per-token activations      mode rc_none, int8
   qurl_fp8     W8A8 FP8 E4M3, same granularity                            mode rc_none, fp8_e4m3
-  qurl_fp4     FP4 weights and activations on their own blocks            mode rc_none, nvfp4 | mxfp4
+  qurl_fp4     FP4 weights and activations on their own blocks            mode rc_none, nvfp4 | mxfp4 | hif4
   qurl_fp4_rc  FP4 with residual-corrected activations, Y = Q(X)Q(W)ᵀ + Q(X-Q(X))Q(W)ᵀ
-                                                                          mode rc_forward, nvfp4 | mxfp4
+                                                                          mode rc_forward, nvfp4 | mxfp4 | hif4
 (`rc_forward` and `rc_both` share this forward; the rollout engine only runs forwards.)
 
 Options (keys of the model's `quantization_config`, set from the engine with
 `json_model_override_args='{"quantization_config": {"quant_method": "qurl_fp4_rc", "fmt": "mxfp4"}}'`):
-  fmt     FP4 methods only: "nvfp4" (default) or "mxfp4".
+  fmt     FP4 methods only: "nvfp4" (default), "mxfp4" or "hif4" (no kernel: emulated on every device).
   scope   "all" or "experts" (`qurl_mcore.precision.SCOPES`); default: the scope of the precision that
           rolls out with this method (all for qurl_int8/qurl_fp8, experts for the FP4 methods).
           Routers, embeddings and lm_head always stay in the checkpoint's precision.

@@ -126,7 +126,7 @@ def test_bad_options_fail_before_any_engine_starts(tmp_path):
     with pytest.raises(ValueError, match="unknown scope"):
         align.run_alignment(["bf16"], scope="attention")
     with pytest.raises(ValueError, match="not an FP4 format"):
-        align.run_alignment(["fp4"], fmt="hif4")
+        align.run_alignment(["fp4"], fmt="int8")
     with pytest.raises(ValueError, match="max_new_tokens"):
         align.run_alignment(["bf16"], max_new_tokens=0)
     with pytest.raises(ValueError, match=r"dense model: routing replay \(\+r3\) needs an MoE"):

@@ -15,6 +15,7 @@ def test_bits_per_element_counts_codes_and_scales():
     assert bits_per_element(quantize(w, "int8", "channel")) == 8 + 32 / 576
     assert bits_per_element(quantize(w, "nvfp4", "block")) == 4 + 8 / 16 + 32 / w.numel()
     assert bits_per_element(quantize(w, "mxfp4", "block")) == 4 + 8 / 32
+    assert bits_per_element(quantize(w, "hif4", "block")) == 4 + 32 / 64
 
 
 def test_report_on_real_weights_shows_rc_gain_for_every_format():

@@ -23,7 +23,8 @@ AUTO = [(gpu, method, "auto", fmt) for gpu in (H100, B200) for method in ("qurl_
 def calls():
     """The kernel ops of every FP4 method and format with `kernel: auto` on a fake H100 and B200, and of
     `kernel: qurl` on the H100: one traced process."""
-    return run_traced(workers.fp4_kernel_calls, [*AUTO, (H100, "qurl_fp4_rc", "qurl", "nvfp4")])
+    return run_traced(workers.fp4_kernel_calls, [*AUTO, (H100, "qurl_fp4_rc", "qurl", "nvfp4"),
+                                                 (H100, "qurl_fp4_rc", "auto", "hif4")])
 
 
 def test_an_fp4_engine_on_cuda_routes_experts_and_linears_through_the_kernels(calls):
@@ -35,6 +36,12 @@ def test_an_fp4_engine_on_cuda_routes_experts_and_linears_through_the_kernels(ca
             assert calls[(gpu, method, "auto", fmt)] == {"experts": [GEMM, GEMM, "cuda (4, 128)"],
                                                          "linear": [GEMM, "cuda (4, 96)"]}
     assert calls[(H100, "qurl_fp4_rc", "qurl", "nvfp4")] == {"experts": ["cuda (4, 128)"], "linear": ["cuda (4, 96)"]}
+
+
+def test_hif4_has_no_kernel_and_its_engine_takes_the_reference_path_on_cuda(calls):
+    """HiF4 names no GEMM kernel (`FormatSpec.kernels`): with `kernel: auto` on a (fake) H100 its experts and
+    linears run the emulation, no kernel op."""
+    assert calls[(H100, "qurl_fp4_rc", "auto", "hif4")] == {"experts": ["cuda (4, 128)"], "linear": ["cuda (4, 96)"]}
 
 
 def test_on_blackwell_mxfp4_takes_the_scaled_dot_and_nvfp4_the_decoded_mmas(calls):
@@ -49,6 +56,7 @@ def test_on_blackwell_mxfp4_takes_the_scaled_dot_and_nvfp4_the_decoded_mmas(call
 @pytest.mark.parametrize("mode, fmt, device, serves", [
     ("rc_forward", "nvfp4", "cuda", True), ("rc_none", "mxfp4", "cuda", True),
     ("rc_forward", "nvfp4", "cpu", False),  # the CPU keeps the emulation, the reference
+    ("rc_forward", "hif4", "cuda", False), ("rc_none", "hif4", "cuda", False),  # no HiF4 kernel: the reference
     ("rc_none", "int8", "cuda", False), ("rc_none", "fp8_e4m3", "cuda", False),  # SGLang's W8A8 kernels
     ("bf16", None, "cuda", False),
 ])

@@ -98,12 +98,13 @@ def test_placement_errors_name_the_fix():
     ("fp8_e2e", "qurl_fp8", {"fmt": "fp8_e4m3", "scope": "all"}),
     ("fp4", "qurl_fp4", {"fmt": "nvfp4", "scope": "experts"}),
     ("fp4_rc", "qurl_fp4_rc", {"fmt": "mxfp4", "scope": "experts"}),
+    ("fp4_rc", "qurl_fp4_rc", {"fmt": "hif4", "scope": "experts"}),
     ("fp4_rc_rollout", "qurl_fp4_rc", {"fmt": "nvfp4", "scope": "all"}),
     ("fp4_rc_train", "qurl_fp4", {"fmt": "nvfp4", "scope": "experts"}),
 ])
 def test_engine_quantization_per_precision(precision, method, options):
     over = [f"precision={precision}", "uaq.enabled=false"]
-    if "fmt" in options and options["fmt"] in ("nvfp4", "mxfp4"):
+    if "fmt" in options and options["fmt"] in ("nvfp4", "mxfp4", "hif4"):
         over.append(f"fp4_format={options['fmt']}")
     if precision == "fp4_rc_rollout":
         over.append("scope=all")

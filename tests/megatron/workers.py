@@ -153,7 +153,7 @@ def grouped_recipes():
 
     fp4 = resolve("fp4", "experts", "nvfp4")
     return [("bf16", resolve("bf16")), ("fp4-nvfp4", fp4), ("fp4_rc-nvfp4", resolve("fp4_rc", "experts", "nvfp4")),
-            ("fp4_rc-mxfp4", resolve("fp4_rc", "experts", "mxfp4")),
+            ("fp4_rc-mxfp4", resolve("fp4_rc", "experts", "mxfp4")), ("fp4_rc-hif4", resolve("fp4_rc", "experts", "hif4")),
             ("int8", replace(fp4, fmt="int8", train=make_spec("rc_none", "int8"))),
             ("fp8_e4m3", replace(fp4, fmt="fp8_e4m3", train=make_spec("rc_both", "fp8_e4m3")))]
 

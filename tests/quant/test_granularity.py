@@ -54,11 +54,11 @@ def test_a_format_fixes_or_fills_the_block():
 def test_format_facts_live_on_the_spec():
     assert {n: (f.family, f.bits, f.block) for n, f in FORMATS.items()} == {
         "int8": (Family.INT, 8, None), "fp8_e4m3": (Family.FP8, 8, None), "fp8_e5m2": (Family.FP8, 8, None),
-        "nvfp4": (Family.FP4, 4, 16), "mxfp4": (Family.FP4, 4, 32)}
-    assert [n for n, f in FORMATS.items() if f.is_fp4] == ["nvfp4", "mxfp4"]
+        "nvfp4": (Family.FP4, 4, 16), "mxfp4": (Family.FP4, 4, 32), "hif4": (Family.FP4, 4, 64)}
+    assert [n for n, f in FORMATS.items() if f.is_fp4] == ["nvfp4", "mxfp4", "hif4"]
     # scale bytes: what a quantized weight stores beside its codes (test_plan checks the sizes end to end)
     for name, f in FORMATS.items():
         q = quantize(torch.randn(32, 64), name, "block" if f.is_fp4 else "channel")
-        assert q.scale.element_size() == f.scale_bytes
+        assert q.scale.element_size() * q.scale.shape[-1] == f.scale_bytes and q.scale.shape[-1] == f.scale_width
         assert (0 if q.global_scale is None else q.global_scale.element_size()) == f.tensor_scale_bytes
     assert {n for n, f in FORMATS.items() if f.kernels} == {"int8", "fp8_e4m3", "nvfp4", "mxfp4"}

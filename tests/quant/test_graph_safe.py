@@ -9,7 +9,7 @@ import torch
 from qurl_mcore.quant import quantize, residual_quantize
 
 CASES = [("int8", "channel"), ("int8", "token"), ("int8", "tensor"), ("int8", "block"), ("fp8_e4m3", "token"),
-         ("fp8_e4m3", "block"), ("fp8_e5m2", "channel"), ("nvfp4", "block"), ("mxfp4", "block")]
+         ("fp8_e4m3", "block"), ("fp8_e5m2", "channel"), ("nvfp4", "block"), ("mxfp4", "block"), ("hif4", "block")]
 
 
 def _round_trip(fmt: str, granularity: str):
@@ -36,7 +36,7 @@ def test_traces_as_one_graph(fmt, granularity, make):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,granularity", [("int8", "token"), ("fp8_e4m3", "channel"), ("nvfp4", "block"),
-                                             ("mxfp4", "block")])
+                                             ("mxfp4", "block"), ("hif4", "block")])
 def test_fused_kernels_equal_eager_bitwise(fmt, granularity):
     """The inductor-generated (fused) kernels compute the same codes and scales as eager, bit for bit."""
     torch._dynamo.reset()
@@ -56,11 +56,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,fmt", [("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"),
-                                        ("qurl_fp4", "mxfp4")])
+                                        ("qurl_fp4", "mxfp4"), ("qurl_fp4", "hif4")])
 def test_compiled_weight_quantizer_equals_eager_bitwise_in_one_graph(method, fmt):
     """An engine's `requant: compiled` quantizer: the same codes, scales and global scale as `quantize_weight`,
     for BF16 weights of several shapes and an expert's slice of a stacked tensor, from one graph (dynamic
-    shapes: a model's many weight shapes must not recompile it per shape)."""
+    shapes: a model's many weight shapes must not recompile it per shape). The shapes hold two or more whole
+    blocks a row (HiF4's 64-element units too): a partial block or a single one is a shape of its own to the
+    compiler, as sizes 0 and 1 are."""
     from torch._dynamo.utils import counters
 
     from qurl_mcore.quant import quantize_weight, quantize_weight_compiled
@@ -69,8 +71,8 @@ def test_compiled_weight_quantizer_equals_eager_bitwise_in_one_graph(method, fmt
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     spec = engine_recipe(method, fmt).spec
-    experts = torch.randn(3, 96, 64, dtype=torch.bfloat16)
-    for w in (torch.randn(64, 128, dtype=torch.bfloat16) * 5, torch.randn(160, 96, dtype=torch.bfloat16), experts[1]):
+    experts = torch.randn(3, 96, 128, dtype=torch.bfloat16)
+    for w in (torch.randn(64, 128, dtype=torch.bfloat16) * 5, torch.randn(160, 192, dtype=torch.bfloat16), experts[1]):
         got, want = quantize_weight_compiled(w, spec), quantize_weight(w, spec)
         assert (got.fmt, got.granularity, got.shape, got.dtype) == (want.fmt, want.granularity, want.shape, want.dtype)
         assert torch.equal(_bits(got.data), _bits(want.data)) and torch.equal(_bits(got.scale), _bits(want.scale))

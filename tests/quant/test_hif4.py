@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from qurl_mcore.quant import hif4
+from qurl_mcore.quant import PerBlock, hif4, make_spec, quant_linear, quantize, residual_quantize
 from qurl_mcore.quant.formats import e1m2_decode, e1m2_encode, e6m2_decode, e6m2_encode, e6m2_round
+from qurl_mcore.quant.qtensor import no_host_reads
 
 # --- the codes ---------------------------------------------------------------------------------------------------
 
@@ -135,3 +136,94 @@ def test_matches_a_scalar_reference_of_the_definition(seed):
 def test_non_finite_input_is_an_error():
     with pytest.raises(ValueError, match="non-finite"):
         hif4.quantize(torch.tensor([1.0, float("nan")]))
+
+
+# --- as a format of the numerics table: QTensor storage, the quantized linear ------------------------------------
+
+
+def test_hand_computed_units_through_the_qtensor_storage():
+    """X above as a QTensor: the codes two a byte (the first element low), per unit 4 scale bytes: the E6M2 code,
+    the level-2 bits (bit i: G8 i), the level-3 bits (bit j of bytes 2-3: G4 j). Unit 0 has G8 0 and G4 0, 2 set:
+    [192, 0b1, 0b101, 0]; unit 1 G8 0 and G4 0: [194, 1, 1, 0]."""
+    q = quantize(X, "hif4", "block")
+    assert q.granularity == PerBlock((1, 64)) and q.data.dtype == torch.uint8 and q.data.shape == (64,)
+    assert q.scale.reshape(-1, 4).tolist() == [[192, 1, 5, 0], [194, 1, 1, 0]]
+    # x[0] = 7 -> code 7 (1.75·4), x[1] = 0 -> 0: byte 0x07; x[4] = 1 -> 0.5·2 (code 2), x[5] = -0.3 -> -0.25·2
+    # (code 0x9): byte 0x92
+    assert q.data[0].item() == 0x07 and q.data[2].item() == 0x92
+    assert q.dequantize().tolist() == WANT.tolist()
+    assert torch.equal(q.codes(), hif4.quantize(X).codes)
+
+
+@pytest.mark.parametrize("shape", [(4, 256), (3, 70), (2, 3, 130), (64,)])
+def test_qtensor_storage_is_hif4_bitwise(shape):
+    """quantize(x, "hif4") -> dequantize equals hif4.py's own quantizer, codes and unpacked levels too, for full
+    and partial units, any leading dims, and a stack of tensors (batch_dims=1: no per-tensor scale to split)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-8, 9, shape, generator=g).float())
+    ref = hif4.quantize(x)
+    for batch_dims in (0, 1) if len(shape) > 1 else (0,):
+        q = quantize(x, "hif4", "block", batch_dims=batch_dims)
+        assert torch.equal(q.dequantize(torch.float32), ref.dequantize())
+        assert torch.equal(q.codes(), ref.codes)
+        levels = hif4.unpack_scale(q.scale)  # in grouped layout: [rows, units, ...]
+        assert all(torch.equal(a.reshape(b.shape), b) for a, b in zip(levels, (ref.unit_scale, ref.micro8, ref.micro4)))
+    assert torch.equal(quantize(x.to(torch.bfloat16), "hif4", "block").dequantize(), hif4.fake_quantize(
+        x.to(torch.bfloat16)))
+
+
+def test_residual_quantization_is_hif4_of_the_residual():
+    """RC(x) = Q(x) + Q(x − Q(x)) through `residual_quantize` equals the sum composed from hif4.py."""
+    x = torch.randn(6, 192)
+    first, second = residual_quantize(x, "hif4", "block", batch_dims=1)
+    q = hif4.fake_quantize(x)
+    assert torch.equal(first.dequantize(torch.float32), q)
+    assert torch.equal(second.dequantize(torch.float32), hif4.fake_quantize(x - q))
+    assert (x - q - hif4.fake_quantize(x - q)).norm() < (x - q).norm() / 4
+
+
+def test_hif4_takes_its_own_units_only():
+    with pytest.raises(ValueError, match="hif4 scales its own 1 x 64 units of a row, not per channel"):
+        quantize(torch.randn(4, 64), "hif4", "channel")
+    with pytest.raises(ValueError, match=r"blocks are fixed at \(1, 64\)"):
+        quantize(torch.randn(4, 64), "hif4", "block", block_shape=(1, 32))
+
+
+def test_non_finite_units_raise_eagerly_and_decode_to_nan_without_host_reads():
+    """Eagerly a NaN is an error; inside the trainer's GEMMs (`no_host_reads`) its unit gets E6M2's unused
+    all-ones code, NaN, so the unit decodes to NaN (and the step is skipped) while the other units stay exact."""
+    x = torch.randn(2, 128)
+    x[1, 70] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize(x, "hif4", "block")
+    with no_host_reads():
+        q = quantize(x, "hif4", "block")
+    assert q.scale[1, 1, 0].item() == 255 and e6m2_decode(q.scale[1, 1, 0]).isnan()
+    out = q.dequantize(torch.float32)
+    assert out[1, 64:].isnan().all() and not out[1, :64].isnan().any() and not out[0].isnan().any()
+    assert torch.equal(out[0], hif4.fake_quantize(x[0]))
+
+
+def _rc(t):
+    """RC token by token from hif4.py: each row Q(t) + Q(t − Q(t))."""
+    q = hif4.fake_quantize(t)
+    return q + hif4.fake_quantize(t - q)
+
+
+def test_a_quantized_linear_in_hif4_is_the_formula_composed_from_hif4():
+    """quant_linear with rc_both in HiF4 against Y = RC(X)·Q(W)ᵀ + b, dX = RC(dY)·Q(W), dW = RC(dY)ᵀ·RC(X), with
+    Q = hif4.fake_quantize along the last dim (weights per row, activations and gradients per token), and the
+    same GEMMs in fp32: bitwise."""
+    x = torch.randn(10, 128, requires_grad=True)
+    w = torch.randn(48, 128, requires_grad=True)
+    b = torch.randn(48, requires_grad=True)
+    g = torch.randn(10, 48)
+    spec = make_spec("rc_both", "hif4", backend="emulated")
+    assert spec.weight_granularity == spec.act_granularity == spec.grad_granularity == PerBlock((1, 64))
+    y = quant_linear(x, w, b, spec=spec)
+    y.backward(g)
+    wq, xq, gq = hif4.fake_quantize(w.detach()), _rc(x.detach()), _rc(g)
+    assert torch.equal(y.detach(), xq @ wq.t() + b.detach())
+    assert torch.equal(x.grad, gq @ wq)
+    assert torch.equal(w.grad, gq.t() @ xq)
+    assert torch.equal(b.grad, g.sum(0))

@@ -24,8 +24,8 @@ def test_bf16_mode_is_plain_linear_bitwise():
 
 def _reference(x, w, b, g, mode, fmt):
     """Y, dX, dW, db from the formulas, using fake_quantize (Q) and residual_fake_quantize (RC)."""
-    gran = "block" if fmt in ("nvfp4", "mxfp4") else "token"
-    wgran = "block" if fmt in ("nvfp4", "mxfp4") else "channel"
+    gran = "block" if fmt in ("nvfp4", "mxfp4", "hif4") else "token"
+    wgran = "block" if fmt in ("nvfp4", "mxfp4", "hif4") else "channel"
     # activations and gradients token by token: each row quantized as a tensor of its own
     q = lambda t: torch.cat([fake_quantize(row[None], fmt, gran) for row in t])  # noqa: E731
     rc = lambda t: torch.cat([residual_fake_quantize(row[None], fmt, gran) for row in t])  # noqa: E731
@@ -38,7 +38,7 @@ def _reference(x, w, b, g, mode, fmt):
 
 
 @pytest.mark.parametrize("mode", ["rc_none", "rc_forward", "rc_backward", "rc_both"])
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "nvfp4", "mxfp4", "hif4"])
 def test_forward_and_backward_follow_the_formulas(mode, fmt):
     x = torch.randn(24, 64, requires_grad=True)
     w = torch.randn(32, 64, requires_grad=True)
@@ -55,7 +55,7 @@ def test_forward_and_backward_follow_the_formulas(mode, fmt):
 
 
 @pytest.mark.parametrize("mode", ["rc_none", "rc_both"])
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "nvfp4", "mxfp4", "hif4"])
 def test_a_tokens_output_does_not_depend_on_the_batch_beside_it(mode, fmt):
     """The trainer runs a token in a micro-batch of whole sequences, the engine in a prefill or a one-token
     decode batch: the token's quantized activation must be the same bitwise, and so its output, in training

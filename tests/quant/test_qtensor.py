@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from qurl_mcore.quant import WEIGHT_BLOCK, fake_quantize, quantize, residual_fake_quantize
 from qurl_mcore.quant.formats import FORMATS
-from qurl_mcore.quant.qtensor import quotient, quotient_fp64
+from qurl_mcore.quant.formats import quotient, quotient_fp64
 
 FMTS = ["int8", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]
 

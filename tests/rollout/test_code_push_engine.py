@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 CASES = [("qwen3_moe", "qurl_int8", "int8", "all"), ("deepseek_v3", "qurl_int8", "int8", "all"),
          ("qwen3", "qurl_fp8", "fp8_e4m3", "all"),
          ("qwen3_moe", "qurl_fp4", "nvfp4", "all"), ("qwen3", "qurl_fp4_rc", "mxfp4", "all"),
-         ("qwen3_moe", "qurl_fp4_rc", "mxfp4", "experts")]
+         ("qwen3_moe", "qurl_fp4_rc", "mxfp4", "experts"), ("qwen3_moe", "qurl_fp4_rc", "hif4", "all")]
 #: small buckets, so that units straddle them
 BUCKET = 96 << 10
 

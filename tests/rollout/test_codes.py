@@ -18,7 +18,8 @@ from qurl_mcore.rollout.codes import CodePush, compare_digests, engine_units, pu
 
 #: the engines' weight recipes, one per format
 SPECS = {fmt: engine_recipe(method, fmt, "all").spec for method, fmt in (
-    ("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"), ("qurl_fp4", "mxfp4"))}
+    ("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"), ("qurl_fp4", "mxfp4"),
+    ("qurl_fp4", "hif4"))}
 
 
 def _members(seed: int = 0) -> list[tuple[str, torch.Tensor]]:

@@ -29,6 +29,7 @@ CASES = [
     ("qwen3_moe", "qurl_fp8", {"requant": "compiled"}),  # torch.compile'd re-quantization: the same numbers
     ("qwen3_moe", "qurl_fp4", {"fmt": "nvfp4"}),
     ("qwen3_moe", "qurl_fp4_rc", {"fmt": "mxfp4", "scope": "experts"}),
+    ("qwen3_moe", "qurl_fp4_rc", {"fmt": "hif4", "scope": "all"}),  # HiF4: no kernel, the emulation everywhere
     # SGLang would build a quantized Mixtral as QuantMixtralForCausalLM; the plugin builds its FusedMoE class
     ("mixtral", "qurl_fp4_rc", {"fmt": "nvfp4", "scope": "all"}),
     ("smollm2", "qurl_int8", {}),

@@ -186,7 +186,7 @@ def test_store_rewrites_in_place(fmt):
 
 
 @pytest.mark.parametrize("method,fmt", [("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"),
-                                        ("qurl_fp4", "mxfp4")])
+                                        ("qurl_fp4", "mxfp4"), ("qurl_fp4", "hif4")])
 def test_stacked_experts_dequantize_as_each_expert_and_refresh_in_place(method, fmt):
     spec = engine_recipe(method, fmt).spec
     experts = [quantize_weight(torch.randn(48, 64) * (e + 1), spec) for e in range(3)]
@@ -215,7 +215,7 @@ def _routed_reference(x, topk_weights, topk_ids, w13, w2, spec):
 
 
 @pytest.mark.parametrize("method,fmt", [("qurl_int8", "int8"), ("qurl_fp8", "fp8_e4m3"), ("qurl_fp4", "nvfp4"),
-                                        ("qurl_fp4_rc", "nvfp4"), ("qurl_fp4_rc", "mxfp4")])
+                                        ("qurl_fp4_rc", "nvfp4"), ("qurl_fp4_rc", "mxfp4"), ("qurl_fp4_rc", "hif4")])
 def test_batched_experts_equal_the_routed_token_by_token_layer(method, fmt):
     """All experts at once (static shapes, no Python loop over experts) against the experts one by one on
     their routed tokens; ids outside [0, E) (padding, other EP ranks) add nothing. Then the same function traced
