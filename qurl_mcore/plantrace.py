@@ -50,6 +50,9 @@ _PLAN_GPU = {v: k for k, v in _FAKE_GPU.items()}
 PHASES = ("build", "before_training", "forward_backward", "optimizer", "update_capture", "push")
 #: the kinds of decoder layer a stage holds, as `traced_layers` names them
 KINDS = ("dense", "moe")
+#: packages SGLang requires (its own dependencies) that its CUDA branches import while building a model, by
+#: top-level module: the CPU environment installs SGLang without them (requirements/sglang-cpu.txt)
+GPU_PACKAGES = {"cuda": "cuda-python", "cutlass": "nvidia-cutlass-dsl[cu13]"}
 
 
 def stage_layers(s, cfg: Config, stage: int) -> dict[str, int]:
@@ -263,7 +266,8 @@ def trace_engine(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeou
     `measured_peak_bytes` is the larger of load and push, beside the plan's (`engine_bytes(...)["load"]`);
     `measured_weight_bytes` beside `planned_weight_bytes` (the plan's `gpu_weights`); `host_syncs` those of the
     traced load and push. Where SGLang's class cannot be built on the façade, `not_built` says why and nothing
-    is measured: Qwen2's MLP on CUDA imports SGLang's CuTe DSL dual GEMM, which needs cuda-python. Not traced:
+    is measured: Qwen2's MLP on CUDA imports SGLang's CuTe DSL dual GEMM whatever its quantization (SGLang has no
+    switch for it), which needs `GPU_PACKAGES`; with them installed it is built and traced. Not traced:
     the KV cache and SGLang's reserve (the model runner, its attention backend and CUDA graphs do not start on the
     façade: docs/plan.md), and SGLang's custom all-reduce and message-queue broadcaster (no NVML, no peer
     processes)."""
@@ -334,11 +338,13 @@ def _engine_step(cfg: Config, hf: dict[str, Any], traced: dict[str, int], gpu: s
                 synced = trace.host_syncs
                 try:
                     model = load_sglang_model(args, lambda: weights("cpu"), load_and_measure)
-                except ModuleNotFoundError as err:  # a CUDA branch's import that only a GPU machine has
-                    if (err.name or "").split(".")[0] != "cuda":
+                except ModuleNotFoundError as err:  # a CUDA branch's import of a package this environment lacks
+                    package = GPU_PACKAGES.get((err.name or "").split(".")[0])
+                    if package is None:
                         raise
                     return {"not_built": f"SGLang's {hf['architectures'][0]} on CUDA imports {err.name} (the "
-                                         f"cuda-python package, not installed here) while it builds its layers"}
+                                         f"{package} package, which SGLang requires and this environment lacks; "
+                                         f"it imports without a GPU) while it builds its layers"}
                 out["load_peak"], out["weights"] = trace.peak_bytes, torch.cuda.memory_allocated()
                 out["layer_bytes"] = _per_kind(model, traced)
                 trace.reset_peak()
