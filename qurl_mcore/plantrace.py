@@ -252,11 +252,11 @@ def trace_engine(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeou
     (SGLang's parallel state over the fake group of that many ranks) with the server arguments a run's engine
     gets (`loop.sampler.engine_config`), its layers cut to one of each kind the model has (dense, moe);
     loaded by SGLang's `DefaultModelLoader.load_model` (the checkpoint's tensors fed in rollout.dtype, without
-    values, on the host as SGLang reads them), then pushed once as a bf16 push runs (`restore_weights_before_loading`, the model's
-    `load_weights`, `postprocess_weights`). What is measured are the CUDA storages that exist (the façade's
-    `memory_allocated` and peak), each decoder layer's the storages reachable from its module (parameters,
-    buffers and tensor attributes: the plugin's codes, SGLang's MLA decode weights); the model's other layers
-    add their kind's:
+    values, on the host as SGLang reads them), then pushed once as a bf16 push runs
+    (`restore_weights_before_loading`, the model's `load_weights`, `postprocess_weights`). What is measured are
+    the CUDA storages that exist (the façade's `memory_allocated` and peak), each decoder layer's the storages
+    reachable from its module (parameters, buffers and tensor attributes: the plugin's codes, SGLang's MLA
+    decode weights); the model's other layers add their kind's:
       weights  after the load:  allocated + Σ_kind (layers − traced)·(a layer of the kind, quantized)
       load     its peak:        peak + Σ_kind (layers − traced)·(a layer of the kind before quantization:
                                 SGLang builds the whole model in rollout.dtype and quantizes after loading it)
