@@ -145,8 +145,10 @@ class Fill:
         return self.density if self.value else 0.0
 
     def real(self, shape, dtype) -> torch.Tensor:
-        """A real CPU tensor holding these values."""
+        """A real CPU tensor holding these values (of its own bytes only where every element is one value)."""
         with unset_fake_temporarily():
+            if self.nonzero() in (0.0, 1.0):
+                return torch.full(shape, self.value if self.nonzero() else 0.0, dtype=dtype)
             p = torch.arange(math.prod(shape), dtype=torch.float64)
             on = torch.floor((p + 1) * self.density) > torch.floor(p * self.density)
             return torch.where(on, self.value, 0.0).to(dtype).reshape(shape)
@@ -170,9 +172,11 @@ class _Tracer(TorchDispatchMode):
       rank's (all-gather, all-to-all; an all-reduce's SUM multiplies by the group's size);
     - what is read of anything else: a boolean True (a mask selects everything), a number 1.
 
-    A read is `.item()` (and `bool()`, `int()`), a copy to the host (`.cpu()`, `.tolist()`, `.to("cpu")`:
-    it gives a real CPU tensor holding the model's values, on which host code then computes for real), or a
-    size that depends on values (`nonzero`, `masked_select`, `x[mask]`). Each such read of a CUDA tensor, and
+    A read is `.item()` (and `bool()`, `int()`), a copy to the host (`.cpu()`, `.tolist()`, `.to("cpu")`, a
+    `copy_` into a real host tensor: it gives a real CPU tensor holding the model's values, on which host code
+    then computes for real), or a size that depends on values (`nonzero`, `masked_select`, `x[mask]`). A `copy_`
+    into a host tensor made inside the context (a pinned master copy) keeps it fake: it costs no host memory
+    however large the weight, and the model's values pass on to it. Each such read of a CUDA tensor, and
     each `torch.cuda.synchronize` or event or stream synchronize, is a host synchronization
     (`Trace.host_syncs`); a non-blocking copy is not (the synchronize that waits for it is)."""
 
@@ -202,9 +206,13 @@ class _Tracer(TorchDispatchMode):
             return bool(fill.nonzero())
         return fill.value if x.is_floating_point() else int(fill.value)
 
-    def _to_host(self, x: torch.Tensor, dtype, non_blocking: bool) -> torch.Tensor:
+    def _copied_to_host(self, x: torch.Tensor, non_blocking: bool) -> None:
+        """A copy of `x` to the host: a host synchronization unless it is a non-blocking one of a CUDA tensor."""
         if not non_blocking and x.device.type == "cuda":
             self.trace.sync(f"copy of a {x.dtype} tensor to the host")
+
+    def _to_host(self, x: torch.Tensor, dtype, non_blocking: bool) -> torch.Tensor:
+        self._copied_to_host(x, non_blocking)
         fill = self.known(x) or _UNKNOWN
         return fill.real(tuple(x.shape), dtype or x.dtype)
 
@@ -238,11 +246,16 @@ class _Tracer(TorchDispatchMode):
                 and torch.device(kwargs["device"]).type == "cpu":
             return self._to_host(args[0], kwargs.get("dtype"), kwargs.get("non_blocking", False))
         if func is aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type == "cuda":
-            real = self._to_host(args[1], args[0].dtype, len(args) > 2 and args[2])
-            if not isinstance(args[0], FakeTensor):
-                with unset_fake_temporarily():
-                    args[0].copy_(real.expand_as(args[0]) if real.shape != args[0].shape else real)
-            return args[0]
+            dst, src, non_blocking = (*args, False)[:3]
+            if isinstance(dst, FakeTensor):  # a host tensor without values (a pinned master): it stays so
+                self._copied_to_host(src, non_blocking)
+                func(*args, **kwargs)
+                self.know(dst, self.known(src), mutated=True)
+                return dst
+            real = self._to_host(src, dst.dtype, non_blocking)
+            with unset_fake_temporarily():
+                dst.copy_(real.expand_as(dst) if real.shape != dst.shape else real)
+            return dst
         if func is aten.nonzero.default:
             (x,) = args
             return torch.empty(self._count(x, x.numel()), x.dim(), dtype=torch.long, device=x.device)

@@ -18,6 +18,7 @@ trace checks and which it cannot.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -49,6 +50,9 @@ _PLAN_GPU = {v: k for k, v in _FAKE_GPU.items()}
 PHASES = ("build", "before_training", "forward_backward", "optimizer", "update_capture", "push")
 #: the kinds of decoder layer a stage holds, as `traced_layers` names them
 KINDS = ("dense", "moe")
+#: packages SGLang requires (its own dependencies) that its CUDA branches import while building a model, by
+#: top-level module: the CPU environment installs SGLang without them (requirements/sglang-cpu.txt)
+GPU_PACKAGES = {"cuda": "cuda-python", "cutlass": "nvidia-cutlass-dsl[cu13]"}
 
 
 def stage_layers(s, cfg: Config, stage: int) -> dict[str, int]:
@@ -251,11 +255,11 @@ def trace_engine(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeou
     (SGLang's parallel state over the fake group of that many ranks) with the server arguments a run's engine
     gets (`loop.sampler.engine_config`), its layers cut to one of each kind the model has (dense, moe);
     loaded by SGLang's `DefaultModelLoader.load_model` (the checkpoint's tensors fed in rollout.dtype, without
-    values), then pushed once as a bf16 push runs (`restore_weights_before_loading`, the model's
-    `load_weights`, `postprocess_weights`). What is measured are the CUDA storages that exist (the façade's
-    `memory_allocated` and peak), each decoder layer's the storages reachable from its module (parameters,
-    buffers and tensor attributes: the plugin's codes, SGLang's MLA decode weights); the model's other layers
-    add their kind's:
+    values, on the host as SGLang reads them), then pushed once as a bf16 push runs
+    (`restore_weights_before_loading`, the model's `load_weights`, `postprocess_weights`). What is measured are
+    the CUDA storages that exist (the façade's `memory_allocated` and peak), each decoder layer's the storages
+    reachable from its module (parameters, buffers and tensor attributes: the plugin's codes, SGLang's MLA
+    decode weights); the model's other layers add their kind's:
       weights  after the load:  allocated + Σ_kind (layers − traced)·(a layer of the kind, quantized)
       load     its peak:        peak + Σ_kind (layers − traced)·(a layer of the kind before quantization:
                                 SGLang builds the whole model in rollout.dtype and quantizes after loading it)
@@ -265,7 +269,8 @@ def trace_engine(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeou
     `measured_peak_bytes` is the larger of load and push, beside the plan's (`engine_bytes(...)["load"]`);
     `measured_weight_bytes` beside `planned_weight_bytes` (the plan's `gpu_weights`); `host_syncs` those of the
     traced load and push. Where SGLang's class cannot be built on the façade, `not_built` says why and nothing
-    is measured: Qwen2's MLP on CUDA imports SGLang's CuTe DSL dual GEMM, which needs cuda-python. Not traced:
+    is measured: Qwen2's MLP on CUDA imports SGLang's CuTe DSL dual GEMM whatever its quantization (SGLang has no
+    switch for it), which needs `GPU_PACKAGES`; with them installed it is built and traced. Not traced:
     the KV cache and SGLang's reserve (the model runner, its attention backend and CUDA graphs do not start on the
     façade: docs/plan.md), and SGLang's custom all-reduce and message-queue broadcaster (no NVML, no peer
     processes)."""
@@ -323,8 +328,8 @@ def _engine_step(cfg: Config, hf: dict[str, Any], traced: dict[str, int], gpu: s
             dtype = getattr(torch, cfg.rollout.dtype)
             checkpoint = [(x.name, x.shape) for x in hf_tensors(shape(hf))]
 
-            def weights():  # the checkpoint, or a push
-                return ((name, torch.empty(size, dtype=dtype, device=cuda)) for name, size in checkpoint)
+            def weights(device):  # the checkpoint (host tensors, as SGLang reads it), or a push (on the GPU)
+                return ((name, torch.empty(size, dtype=dtype, device=device)) for name, size in checkpoint)
 
             def load_and_measure(model, feed, device):  # DefaultModelLoader.load_weights_and_postprocess
                 DefaultModelLoader.load_weights_only(model, feed, device)
@@ -335,17 +340,19 @@ def _engine_step(cfg: Config, hf: dict[str, Any], traced: dict[str, int], gpu: s
                 trace.reset_peak()
                 synced = trace.host_syncs
                 try:
-                    model = load_sglang_model(args, weights, load_and_measure)
-                except ModuleNotFoundError as err:  # a CUDA branch's import that only a GPU machine has
-                    if (err.name or "").split(".")[0] != "cuda":
+                    model = load_sglang_model(args, lambda: weights("cpu"), load_and_measure)
+                except ModuleNotFoundError as err:  # a CUDA branch's import of a package this environment lacks
+                    package = GPU_PACKAGES.get((err.name or "").split(".")[0])
+                    if package is None:
                         raise
                     return {"not_built": f"SGLang's {hf['architectures'][0]} on CUDA imports {err.name} (the "
-                                         f"cuda-python package, not installed here) while it builds its layers"}
+                                         f"{package} package, which SGLang requires and this environment lacks; "
+                                         f"it imports without a GPU) while it builds its layers"}
                 out["load_peak"], out["weights"] = trace.peak_bytes, torch.cuda.memory_allocated()
                 out["layer_bytes"] = _per_kind(model, traced)
                 trace.reset_peak()
                 if cfg.push_mode(shape(hf)) == "bf16":  # a code push carries the codes (sglang/weights.py)
-                    push_sglang_model(model, weights())
+                    push_sglang_model(model, weights(cuda))
                 out["push_peak"] = trace.peak_bytes
                 out["host_syncs"] = trace.host_syncs - synced
                 out["model_class"] = type(model).__name__
@@ -381,9 +388,10 @@ def sglang_parallel(engine_kwargs: dict[str, Any], tp: int) -> Iterator[Any]:
 def load_sglang_model(args, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], load=None):
     """SGLang's model for server arguments `args`, built and loaded on cuda:0 by SGLang's own
     `DefaultModelLoader.load_model` (the class `get_model_architecture` picks, the quantization config, the
-    shared-expert decision), the checkpoint's tensors from `weights()` (on the device: SGLang reads host tensors
-    in threads, which the fake mode is not in); `load(model, weights, device)` in place of its
-    `load_weights_and_postprocess`."""
+    shared-expert decision), the checkpoint's tensors from `weights()` (host tensors, as SGLang reads a
+    checkpoint: the GPU holds only what SGLang copies there); `load(model, weights, device)` in place of its
+    `load_weights_and_postprocess`. The thread pools SGLang copies host tensors in (DeepSeek's loader) run their
+    work inline: the façade's modes, which see every CUDA storage, are per thread."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
@@ -393,7 +401,28 @@ def load_sglang_model(args, weights: Callable[[], Iterator[tuple[str, torch.Tens
     loader._get_all_weights = lambda *_: weights()
     if load is not None:
         loader.load_weights_and_postprocess = load
-    return loader.load_model(model_config=ModelConfig.from_server_args(args), device_config=DeviceConfig("cuda", 0))
+    pools = concurrent.futures.ThreadPoolExecutor
+    concurrent.futures.ThreadPoolExecutor = _InlineExecutor
+    try:
+        return loader.load_model(model_config=ModelConfig.from_server_args(args),
+                                 device_config=DeviceConfig("cuda", 0))
+    finally:
+        concurrent.futures.ThreadPoolExecutor = pools
+
+
+class _InlineExecutor(concurrent.futures.Executor):
+    """A thread pool whose work runs in the submitting thread, at submission."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as err:  # noqa: BLE001 - the future carries it, as a pool's does
+            future.set_exception(err)
+        return future
 
 
 def push_sglang_model(model, weights: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -66,9 +66,11 @@ def test_the_engine_trace_counts_the_storages_of_sglangs_model_not_the_planners_
     and measures the storages that exist. SGLang's MLA keeps bf16 decode weights rebuilt from kv_b_proj
     (`w_kc` [heads/TP, d_nope, r_kv], `w_vc` [heads/TP, r_kv, d_v] per layer) that no checkpoint tensor and so
     no line of the planner's list holds: the measured weights exceed the planned by at least those. The load's
-    peak is the whole model in bf16 (SGLang quantizes after loading all of it), the plan's `load`."""
+    peak is the whole model in bf16 (SGLang quantizes after loading all of it), the plan's `load`, and no
+    checkpoint tensor besides: SGLang reads those on the host (fed on the GPU, the tiny model's embedding and
+    LM head, most of its bytes, would double it)."""
     from qurl_mcore.config import load_config
-    from qurl_mcore.plantrace import trace_engine
+    from qurl_mcore.plantrace import TOLERANCE, trace_engine
     from qurl_mcore.sizing import model_config
 
     cfg = load_config(None, ["model.path=tiny-deepseek_v3", "precision=int8", "rollout.tp_size=2"])
@@ -80,4 +82,4 @@ def test_the_engine_trace_counts_the_storages_of_sglangs_model_not_the_planners_
     decode = 2 * heads * hf["kv_lora_rank"] * (hf["qk_nope_head_dim"] + hf["v_head_dim"])  # bf16, per layer
     assert out["measured_weight_bytes"] - out["planned_weight_bytes"] >= 2 * decode
     assert all(out["layer_bytes"][k] < out["loaded_layer_bytes"][k] for k in ("dense", "moe"))
-    assert out["phases"]["load"] >= out["planned_peak_bytes"]  # the whole model in bf16 at once
+    assert out["planned_peak_bytes"] <= out["phases"]["load"] <= (1 + TOLERANCE) * out["planned_peak_bytes"]

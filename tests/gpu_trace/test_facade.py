@@ -61,6 +61,18 @@ def test_host_reads_answer_from_the_value_model_and_count_as_host_syncs():
         " ".join(out["sites"])
 
 
+def test_a_host_master_of_a_fake_tensor_stays_without_values():
+    """The plugin's pinned host master of a fake CUDA weight is a fake host tensor: the copy costs no host memory
+    (a 32 MiB weight grows the process's peak resident memory by less than a quarter of its bytes; materialized,
+    its values cost several times them) and counts one host synchronization; a read of a host copy answers
+    the device tensor's values (zeros)."""
+    numel = 16 << 20  # bf16: 32 MiB
+    out = run_traced(workers.host_master, numel)
+    assert out["fake"] and out["device"] == "cpu" and out["zeros_any"] is False
+    assert out["cuda_bytes"] == 0 and out["host_syncs"] == 1
+    assert out["rss_growth_kib"] < numel * 2 / 4 / 1024
+
+
 def test_megatron_model_parallel_groups_start_on_the_fake_group():
     assert run_traced(workers.model_parallel, 2, 8, 5) == dict(tp=2, dp=4, tp_rank=1, dp_rank=2)
 

@@ -419,3 +419,25 @@ def module_storages() -> tuple[int, int]:
         m.views = [m.weight[0], m.weight[1:]]
         m.host = torch.empty(100)
         return sum(_storages(torch.nn.Sequential(m)).values()), torch.cuda.memory_allocated()
+
+
+def host_master(numel: int) -> dict:
+    """The plugin's `detach_master` (master="host") of a bf16 parameter of `numel` elements on a fake GPU: the
+    master's type, the CUDA bytes left, how far the process's peak resident memory grew over the copy (KiB); and
+    what a read of a host copy of CUDA zeros answers."""
+    import resource
+
+    from qurl_mcore.sglang.weights import _MASTERS, detach_master
+
+    with fake_cuda() as trace:
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16, device="cuda"),
+                                          requires_grad=False)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        detach_master(layer, "weight", host=True)
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        master = layer.__dict__[_MASTERS]["weight"]
+        out = dict(fake=isinstance(master, torch._subclasses.fake_tensor.FakeTensor), device=str(master.device),
+                   cuda_bytes=torch.cuda.memory_allocated(), rss_growth_kib=grown, host_syncs=trace.host_syncs)
+        out["zeros_any"] = bool(torch.empty(4, device="cpu").copy_(torch.zeros(4, device="cuda")).any())
+        return out
