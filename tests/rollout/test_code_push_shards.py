@@ -77,6 +77,11 @@ def _installed(model) -> dict[str, list[bytes]]:
     return out
 
 
+def _experts(model) -> dict[str, list[bytes]]:
+    """`_installed` of the FusedMoEs alone."""
+    return {n: b for n, b in _installed(model).items() if ".experts." in n}
+
+
 def _loaded_reference(model, tensors: dict[str, torch.Tensor], spec) -> dict[str, list[bytes]]:
     """`_installed` of each FusedMoE of `model` as SGLang's load in bf16 followed by the quantization of each
     expert matrix would install them: per expert of this rank, `quantize_weight` of the rank's shard (`quant.wire`)
@@ -132,6 +137,7 @@ def _pushes(rank: int, port: int, tp: int, ep: int) -> dict:
         initialize_model_parallel()
         for arch, method, fmt, scope in CASES:
             path = model_path(arch)
+            checkpoint = checkpoint_tensors(path)
             recipe = engine_recipe(method, fmt, scope)
             units = engine_units(path, recipe.groups, tp, ep)
             full = {k: v.to(torch.bfloat16) for k, v in noisy_layer0(checkpoint_tensors(path)).items()}
@@ -141,9 +147,12 @@ def _pushes(rank: int, port: int, tp: int, ep: int) -> dict:
             case = {}
             for push in ("bf16", "codes"):
                 model = _model(arch, method, {"fmt": fmt, "scope": scope, "push": push})
-                loaded = _installed(model)
-                case[push, "loaded"] = ({n: loaded[n] for n in loaded if ".experts." in n},
-                                        _loaded_reference(model, checkpoint_tensors(path), recipe.spec))
+                case[push, "loaded"] = _experts(model), _loaded_reference(model, checkpoint, recipe.spec)
+                if push == "bf16" and arch == "qwen3_moe":  # one expert's gate alone: its up is the master's
+                    gate = next(n for n in sorted(checkpoint) if n.endswith(".experts.1.gate_proj.weight"))
+                    half = {**checkpoint, gate: checkpoint[gate] * 1.5}
+                    _push(model, [(gate, half[gate])])
+                    case["half"] = _experts(model), _loaded_reference(model, half, recipe.spec)
                 exporter = types.SimpleNamespace(get_model=lambda: model)  # what report_digests reads of SGLang's
                 for step, tensors in (("full", full), ("partial", partial)):
                     codes = CodePush(recipe.spec, units, send=push == "codes")
@@ -192,10 +201,12 @@ def test_a_sharded_code_push_installs_what_a_bf16_push_and_each_ranks_requantiza
     (tp, ep), per_rank = ranks
     for rank, out in enumerate(per_rank):
         results = out[case]
-        for push in ("bf16", "codes"):  # the experts quantized as they load: what quantizing them loaded installs
-            got, want = results[push, "loaded"]
+        # the experts quantized as they load: what quantizing them after a load installs; after a bf16 push of
+        # one expert's gate alone, what quantizing that expert's new gate and old up installs
+        for step in [("bf16", "loaded"), ("codes", "loaded")] + (["half"] if "half" in results else []):
+            got, want = results[step]
             assert got.keys() == want.keys() and (got or case[0] != "qwen3_moe")
-            assert not [n for n in want if want[n] != got[n]], (rank, push)
+            assert not [n for n in want if want[n] != got[n]], (rank, step)
         for step in ("full", "partial"):
             (want, want_digests, bf16), (got, got_digests, codes) = results["bf16", step], results["codes", step]
             assert want.keys() == got.keys() and want
