@@ -13,6 +13,7 @@ from sglang.srt.utils import set_weight_attrs
 
 from qurl_mcore import kernels as fp4_kernels
 from qurl_mcore.kernels.fp4_moe import fp4_experts
+from qurl_mcore.quant import quantize_weight
 from qurl_mcore.quant.experts import experts_forward
 from qurl_mcore.quant.qtensor import no_host_reads
 from qurl_mcore.quant.wire import COLUMNS, ROWS, has_global_scale, shard
@@ -95,7 +96,8 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
         layer.__dict__[_WAITING] = {name: {} for name in _WEIGHTS}
         for name, shape in {"w13_weight": (2 * inter, hidden_size), "w2_weight": (hidden_size, inter)}.items():
             with no_host_reads():  # the layout of one expert's codes: nothing is computed on the meta device
-                layout = self.quantize_weight(torch.empty(shape, dtype=params_dtype, device="meta"), self.spec)
+                # (eager: the compiled quantizer gives the same layout, and inductor compiles for no meta device)
+                layout = quantize_weight(torch.empty(shape, dtype=params_dtype, device="meta"), self.spec)
             stacked, views = weights.empty_stack(num_experts, layout, home)
             setattr(layer, f"qurl_{name}", stacked)
             setattr(layer, f"qurl_{name}_experts", views)  # views of the stack, written in place
