@@ -262,7 +262,8 @@ def trace_engine(cfg: Config, hf: dict[str, Any], gpu: str = "H100-80GB", timeou
     decode weights); the model's other layers add their kind's:
       weights  after the load:  allocated + Σ_kind (layers − traced)·(a layer of the kind, quantized)
       load     its peak:        peak + Σ_kind (layers − traced)·(a layer of the kind before quantization:
-                                SGLang builds the whole model in rollout.dtype and quantizes after loading it)
+                                SGLang builds the model in rollout.dtype and quantizes after loading it, but
+                                the routed experts, which the plugin quantizes as they load)
       push     its peak:        weights + what one push adds at its peak above the weights (one module's
                                 masters on the GPU at a time: it does not grow with the layers); a bf16
                                 push only: engines that take code pushes (`Config.push_mode`) are not pushed

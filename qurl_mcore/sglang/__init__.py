@@ -1,8 +1,9 @@
 """SGLang quantization plugin: `qurl_int8`, `qurl_fp8`, `qurl_fp4`, `qurl_fp4_rc` (see options.py).
 
 Registered through the entry point group `sglang.srt.plugins` (setup.py), which SGLang loads in every one of
-its processes. Checkpoints load as BF16 and are quantized by `qurl_mcore.quant` after loading and after every
-weight update, so the rollout engine runs the trainer's numerics; docs/rollout.md has the user guide.
+its processes. Checkpoints load as BF16 and are quantized by `qurl_mcore.quant` after loading (routed experts as
+they load) and after every weight update, so the rollout engine runs the trainer's numerics; docs/rollout.md has
+the user guide.
 """
 from __future__ import annotations
 

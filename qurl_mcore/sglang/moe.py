@@ -13,13 +13,17 @@ from sglang.srt.utils import set_weight_attrs
 
 from qurl_mcore import kernels as fp4_kernels
 from qurl_mcore.kernels.fp4_moe import fp4_experts
+from qurl_mcore.quant import quantize_weight
 from qurl_mcore.quant.experts import experts_forward
-from qurl_mcore.quant.wire import COLUMNS, ROWS, shard
+from qurl_mcore.quant.qtensor import no_host_reads
+from qurl_mcore.quant.wire import COLUMNS, ROWS, has_global_scale, shard
 
 from . import kernels, weights
 from .options import REQUANTS, QurlOptions
 
 _WEIGHTS = ("w13_weight", "w2_weight")
+#: the layer's experts whose pieces wait for the rest of their matrix (NVFP4's w13)
+_WAITING = "_qurl_waiting"
 
 
 def expert_rows_loader(layer, name: str):
@@ -47,14 +51,38 @@ def expert_rows_loader(layer, name: str):
     return load
 
 
+def piece_rows(shard_id: str, rows: int) -> slice:
+    """The rows of a rank's shard of an expert matrix (`rows` of them) that SGLang's loader fills from the
+    checkpoint piece `shard_id`: gate (w1) the first half of w13, up (w3) the second, down (w2) all of w2."""
+    half = rows // 2
+    return {"w1": slice(0, half), "w3": slice(half, rows), "w2": slice(0, rows)}[shard_id]
+
+
+#: the checkpoint pieces (SGLang's shard ids) that make up each expert matrix
+_PIECES = {"w13_weight": {"w1", "w3"}, "w2_weight": {"w2"}}
+
+
 class QurlFusedMoEMethod(FusedMoEMethodBase):
-    """MoE experts with BF16 weights in and quantized experts out; refits like the linear method (weights.py)."""
+    """MoE experts with BF16 weights in and quantized experts out, quantized as they load (module docstring of
+    weights.py for the refit cycle).
+
+    The layer's stacked codes and scales exist from `create_weights` on; its full-precision experts never do on
+    the device (but with master="device"). Each checkpoint piece of an expert (gate, up, down), as SGLang's
+    loader shards it, lands in the expert's rows of the master (push "bf16": pinned host memory by default) or,
+    without masters (push "codes"), in a buffer of one expert on the device, and is quantized at once into the
+    stack with `quantize_weight`, one rank's shard of one expert matrix at a time as the trainer quantizes it.
+    Formats whose scales lie within a row (INT8/FP8 per channel, MXFP4 blocks) quantize a gate or up piece
+    alone: bitwise its rows of the whole matrix's quantization. NVFP4's global scale spans the expert's w13, so
+    its gate waits for its up (or, in a push that carried one of them, for the end of the push: the other's
+    rows are then the master's). A bf16 push goes through the same loader, so it re-quantizes exactly the
+    experts it carried."""
 
     def __init__(self, options: QurlOptions):
         super().__init__()
         self.options = options
         self.spec = options.recipe.spec
         self.quantize_weight = REQUANTS[options.requant]
+        self.rows_apart = not has_global_scale(self.spec)  # then a piece quantizes alone
         self.runner = None
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
@@ -64,11 +92,72 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
         if not layer.moe_runner_config.is_gated:
             raise NotImplementedError("qurl quantization supports gated (gate/up) MoE experts only")
         inter = intermediate_size_per_partition
-        shapes = {"w13_weight": (num_experts, 2 * inter, hidden_size), "w2_weight": (num_experts, hidden_size, inter)}
-        for name, shape in shapes.items():
-            param = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
+        home = torch.get_default_device()  # SGLang builds the model on its device
+        layer.__dict__[_WAITING] = {name: {} for name in _WEIGHTS}
+        for name, shape in {"w13_weight": (2 * inter, hidden_size), "w2_weight": (hidden_size, inter)}.items():
+            with no_host_reads():  # the layout of one expert's codes: nothing is computed on the meta device
+                # (eager: the compiled quantizer gives the same layout, and inductor compiles for no meta device)
+                layout = quantize_weight(torch.empty(shape, dtype=params_dtype, device="meta"), self.spec)
+            stacked, views = weights.empty_stack(num_experts, layout, home)
+            setattr(layer, f"qurl_{name}", stacked)
+            setattr(layer, f"qurl_{name}_experts", views)  # views of the stack, written in place
+            weights.set_home(layer, name, home)
+            if self.options.codes:  # no master: a stand-in of the right shape (the loader writes a buffer of one)
+                rows = torch.empty((1, 1, 1), dtype=params_dtype).expand(num_experts, *shape)
+            else:
+                host = self.options.master == "host" and home.type != "cpu"
+                rows = torch.empty((num_experts, *shape), dtype=params_dtype, device="cpu" if host else home,
+                                   pin_memory=host)
+            param = torch.nn.Parameter(rows, requires_grad=False)
+            set_weight_attrs(param, {**extra_weight_attrs,
+                                     "weight_loader": self._loader(layer, name, extra_weight_attrs["weight_loader"])})
             layer.register_parameter(name, param)
-            set_weight_attrs(param, extra_weight_attrs)
+
+    def _loader(self, layer, name: str, sglang_loader):
+        """The weight loader of `name`: SGLang's (`sglang_loader`) writes a piece into an expert's rows, which
+        are quantized as soon as they can be (class docstring)."""
+        waiting = layer.__dict__[_WAITING][name]  # expert -> (the pieces that arrived, its rows)
+
+        def load(param, loaded: torch.Tensor, weight_name: str, shard_id: str, expert_id: int) -> None:
+            expert = layer._map_global_expert_id_to_local_expert_id(expert_id)
+            if expert == -1:
+                return  # another EP rank's, as SGLang's loader skips it
+            arrived, rows = waiting.pop(expert, (set(), None))
+            if rows is None:
+                rows = (torch.empty(param.shape[1:], dtype=param.dtype, device=weights.home(layer, name))
+                        if self.options.codes else param.data[expert])
+            # SGLang's loader shards the piece into `rows` (its param.data[expert]; every expert's is `rows`)
+            sglang_loader(rows.unsqueeze(0).expand(param.shape), loaded, weight_name, shard_id, expert_id)
+            arrived.add(shard_id)
+            if self.rows_apart:
+                self._quantize(layer, name, expert, rows, piece_rows(shard_id, rows.shape[0]))
+            elif arrived == _PIECES[name]:
+                self._quantize(layer, name, expert, rows, slice(None))
+            else:
+                waiting[expert] = arrived, rows  # NVFP4: the other half of w13 brings the global scale
+
+        return load
+
+    def _quantize(self, layer, name: str, expert: int, rows: torch.Tensor, part: slice) -> None:
+        """Rows `part` of the expert's full-precision `rows`, quantized into its codes and scales in place."""
+        q = self.quantize_weight(weights.at_home(layer, name, rows[part]), self.spec)
+        weights.store_rows(getattr(layer, f"qurl_{name}_experts")[expert], q, part)
+
+    def process_weights_after_loading(self, layer) -> None:
+        if weights.detach_codes(layer) or not all(weights.is_loaded(layer, n) for n in _WEIGHTS):
+            return  # a code push installed its codes, or nothing was restored since the last load
+        for name in _WEIGHTS:
+            for expert, (arrived, rows) in layer.__dict__[_WAITING][name].items():
+                if self.options.codes:
+                    raise ValueError(f"{layer.layer_name}: expert {expert} of this rank got only "
+                                     f"{sorted(arrived)} of {sorted(_PIECES[name])}; the checkpoint lacks "
+                                     f"{sorted(_PIECES[name] - arrived)}: load a complete checkpoint")
+                self._quantize(layer, name, expert, rows, slice(None))  # a push of one: the master has the other
+            layer.__dict__[_WAITING][name].clear()
+            if self.options.codes:
+                weights.release(layer, name)
+            else:
+                weights.detach_master(layer, name, host=self.options.master == "host")
 
     def create_moe_runner(self, layer, moe_runner_config):
         self.moe_runner_config = moe_runner_config
@@ -78,23 +167,6 @@ class QurlFusedMoEMethod(FusedMoEMethodBase):
 
     def _use_kernels(self, device: torch.device) -> bool:
         return self.options.kernel == "auto" and kernels.available(self.options.recipe.format, device)
-
-    def process_weights_after_loading(self, layer) -> None:
-        if weights.detach_codes(layer) or not all(weights.is_loaded(layer, n) for n in _WEIGHTS):
-            return
-        for name in _WEIGHTS:
-            w = getattr(layer, name).data
-            fresh = [self.quantize_weight(weights.at_home(layer, name, w[e]), self.spec) for e in range(w.shape[0])]
-            old = getattr(layer, f"qurl_{name}_experts", None)
-            kept = None if old is None else [weights.store(o, f) for o, f in zip(old, fresh)]
-            if kept is None or any(k is not o for k, o in zip(kept, old)):  # first load: one stacked copy
-                stacked, kept = weights.stack(fresh)
-                setattr(layer, f"qurl_{name}", stacked)
-            setattr(layer, f"qurl_{name}_experts", kept)  # views of the stack, refreshed in place
-            if self.options.codes:
-                weights.release(layer, name)
-            else:
-                weights.detach_master(layer, name, host=self.options.master == "host")
 
     def restore_weights_before_loading(self, layer) -> None:
         for name in _WEIGHTS:

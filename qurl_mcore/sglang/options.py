@@ -25,7 +25,7 @@ Options (keys of the model's `quantization_config`, set from the engine with
   push    what a weight update carries: "bf16" (default: full-precision weights, re-quantized after the
           update from masters the engine keeps) or "codes" (the trainer's codes and scales,
           `qurl_mcore.quant.wire`, installed in place: no master, no re-quantization; the checkpoint
-          itself still loads in full precision and is quantized once).
+          itself still loads in full precision and is quantized once, routed experts as they load).
   requant how each update re-quantizes the weights: "eager" (default, `quantize_weight`) or "compiled"
           (`quantize_weight_compiled`: torch.compile fuses it, bitwise the same codes; the engine's first
           update per format compiles, seconds on CPU).

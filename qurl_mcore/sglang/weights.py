@@ -1,6 +1,6 @@
 """Full-precision master weights and their quantized copies across SGLang's weight-update session.
 
-Lifecycle of one weight `W` of a quantized layer (SGLang 0.5.23):
+Lifecycle of one weight `W` of a quantized linear (SGLang 0.5.23):
   create_weights                 W is a full-precision Parameter that the checkpoint loaders write into
   process_weights_after_loading  Q(W) = quantize_weight(W, spec) serves the forward on W's device (its home);
                                  W leaves the module and waits as the master copy: in pinned host memory by
@@ -11,10 +11,16 @@ Lifecycle of one weight `W` of a quantized layer (SGLang 0.5.23):
                                  full-precision value; a host master stays on the host and the loaders copy
                                  the pushed rows into it across the bus
   update_weights_from_*          SGLang's loaders write the pushed BF16 tensors into W
-  end_weight_update              process_weights_after_loading re-quantizes, one weight (one expert) at a
-                                 time from a copy at home (`at_home`), so the device never holds more than
-                                 one matrix of masters; the quantized tensors are overwritten in place, so
-                                 captured CUDA graphs keep reading valid memory
+  end_weight_update              process_weights_after_loading re-quantizes, one weight at a time from a copy
+                                 at home (`at_home`), so the device never holds more than one matrix of
+                                 masters; the quantized tensors are overwritten in place, so captured CUDA
+                                 graphs keep reading valid memory
+
+A FusedMoE's experts (moe.py) differ in one thing: they are quantized as they load, never after. Their codes
+and scales are allocated with the layer (`empty_stack`), their master is created where it waits (pinned host
+memory by default: the checkpoint's experts are written there, never staged whole on the device), and the
+weight loader quantizes each expert's rows from a copy at home as soon as a checkpoint or pushed piece gives
+them (`store_rows`), the checkpoint's load and every push alike.
 
 SGLang runs a layer's restore and re-quantization inside `device_loading_context(layer, device)`
 (model_loader/loader.py), which stages every tensor registered on the layer on the engine's device for the
@@ -25,7 +31,8 @@ would copy each layer's masters up whole. A layer that holds qurl masters theref
 its re-quantization copies one matrix at a time home itself (`at_home`).
 
 A code push (the `push: codes` option) keeps no master. The checkpoint loads and is quantized as above, then its
-full-precision weight is dropped (`release`). A weight-update session registers the installed codes and scales
+full-precision weight is dropped (`release`; an expert's rows live only in a buffer of one expert while they
+are quantized). A weight-update session registers the installed codes and scales
 themselves as Parameters over the same storage (`attach_codes`: `weight`, `weight_scale`, `weight_global_scale`,
 the names `qurl_mcore.quant.wire` sends), so SGLang's loaders write the pushed codes in place, sharded as they
 shard the full-precision weight; the session's end only takes them off again (`detach_codes`): nothing is
@@ -132,6 +139,12 @@ def masters_stay_put(original: Callable, module: torch.nn.Module, target_device:
     return original(module, target_device)
 
 
+def set_home(layer: torch.nn.Module, name: str, device: torch.device) -> None:
+    """Remember `device` as the home of `name` (`home`) before its full-precision rows exist anywhere: a layer
+    whose weights load straight into host masters (moe.py)."""
+    layer.__dict__.setdefault(_HOMES, {})[name] = device
+
+
 def detach_master(layer: torch.nn.Module, name: str, host: bool) -> None:
     """Take Parameter `name` off the layer and keep it as the master: moved to pinned host memory if `host`
     (pinned: the copies to and from the device run at the bus's speed), else left where it is. Its home, the
@@ -228,20 +241,39 @@ def store(old: QTensor | None, new: QTensor) -> QTensor:
     return old
 
 
+def store_rows(old: QTensor, new: QTensor, rows: slice) -> None:
+    """`new` written in place into rows `rows` of `old` (codes and scales: groups of one row, so a row of codes
+    is a row of scales; `slice(None)`: all of them) and its global scale into `old`'s."""
+    old.data[rows].copy_(new.data)
+    old.scale[rows].copy_(new.scale)
+    if old.global_scale is not None:
+        old.global_scale.copy_(new.global_scale)
+
+
+def empty_stack(experts: int, layout: QTensor, device: torch.device) -> tuple[QTensor, list[QTensor]]:
+    """One QTensor of shape [E, *expert shape] for `experts` experts laid out as `layout` (one expert's QTensor;
+    its values are not read: a quantization on the meta device will do), uninitialized on `device`, and the
+    per-expert QTensors as views of it, so that writing a view in place (`store`, `store_rows`) writes the
+    stack: one copy of the weights, the stacked codes and scales serving a fused MoE kernel and
+    `quant.experts.experts_forward`. Needs groups of one row (`QTensor.row_grouped`): then the experts' groups,
+    stacked, are the stack's groups in order."""
+    if not layout.row_grouped:
+        raise ValueError(f"cannot stack {layout.fmt} experts quantized per {layout.granularity} "
+                         f"{layout.block_shape or ''}: stacking needs groups of one row (channel, or 1 x n blocks)")
+    data, scale = (torch.empty((experts, *t.shape), dtype=t.dtype, device=device)
+                   for t in (layout.data, layout.scale))
+    glob = None if layout.global_scale is None else torch.empty(experts, dtype=layout.global_scale.dtype,
+                                                                device=device)
+    stacked = QTensor(data, scale, layout.fmt, layout.granularity, torch.Size((experts, *layout.shape)),
+                      layout.dtype, glob)  # glob [E]: a batch of tensors (quantize's batch_dims)
+    views = [QTensor(data[e], scale[e], layout.fmt, layout.granularity, layout.shape, layout.dtype,
+                     None if glob is None else glob[e]) for e in range(experts)]
+    return stacked, views
+
+
 def stack(experts: list[QTensor]) -> tuple[QTensor, list[QTensor]]:
-    """One QTensor of shape [E, *expert shape] over the experts (one copy of the weights: the stacked codes
-    and scales serve a fused MoE kernel and `quant.experts.experts_forward`), and the per-expert QTensors
-    re-pointed at views of it, so that refreshing a view in place (`store`) refreshes the stack. Needs groups
-    of one row (`QTensor.row_grouped`): then the experts' groups, stacked, are the stack's groups in order."""
-    first = experts[0]
-    if not first.row_grouped:
-        raise ValueError(f"cannot stack {first.fmt} experts quantized per {first.granularity} "
-                         f"{first.block_shape or ''}: stacking needs groups of one row (channel, or 1 x n blocks)")
-    data = torch.stack([q.data for q in experts])
-    scale = torch.stack([q.scale for q in experts])
-    glob = None if first.global_scale is None else torch.stack([q.global_scale for q in experts])
-    stacked = QTensor(data, scale, first.fmt, first.granularity, torch.Size((len(experts), *first.shape)),
-                      first.dtype, glob)  # glob [E]: a batch of tensors (quantize's batch_dims)
-    views = [QTensor(data[e], scale[e], q.fmt, q.granularity, q.shape, q.dtype, None if glob is None else glob[e])
-             for e, q in enumerate(experts)]
+    """`empty_stack` over `experts` (QTensors of one layout), holding their values."""
+    stacked, views = empty_stack(len(experts), experts[0], experts[0].data.device)
+    for view, q in zip(views, experts):
+        store_rows(view, q, slice(None))
     return stacked, views

@@ -286,13 +286,17 @@ def sglang_reserve(gpu: GPU, tp: int) -> tuple[int, int]:
 def engine_weights(s: Shape, precision: str, scope: str, fmt: str | None, dtype: str, tp: int = 1) -> dict[str, int]:
     """Bytes of one engine's weights: over the whole engine, `quantized` (the linears the precision quantizes,
     in `fmt`), `full` (everything else, in `dtype`), `masters` (the quantized linears in `dtype`, which the
-    plugin keeps besides), `experts` and `embedding` (parts of those); per GPU of its `tp`, `gpu_weights`
-    (all but the replicated norms and routers /TP), `gpu_masters`, and `gpu_load`: every weight in `dtype` (all
-    but the replicated /TP), what the GPU holds at the end of SGLang's load, which builds the whole model in
-    `dtype` and quantizes it after loading it (`DefaultModelLoader.load_model`)."""
+    plugin keeps besides), `experts` and `embedding` (parts of those), `expert_masters` (the part of `masters`
+    that is routed experts); per GPU of its `tp`, `gpu_weights` (all but the replicated norms and routers /TP),
+    `gpu_masters`, and `gpu_load`: what the GPU holds at the end of SGLang's load, which builds the model in
+    `dtype` (`DefaultModelLoader.load_model`) and quantizes its linears after loading them, but for quantized
+    experts, which the plugin quantizes as each piece loads (sglang/moe.py): the other weights in `dtype`, the
+    experts' codes, and what waits to be quantized, at most one layer's experts' gate and up in `dtype` (NVFP4:
+    a gate waits for its up, whose rows its global scale spans; other formats: one expert's, a piece at a time)."""
     names = _quantized(s, precision, scope, "rollout")
     b = _DTYPE_BYTES[dtype]
-    out = dict.fromkeys(("quantized", "full", "masters", "experts", "embedding", "replicated"), 0)
+    out = dict.fromkeys(("quantized", "full", "masters", "experts", "embedding", "replicated", "expert_masters"), 0)
+    waiting: dict[int | None, int] = {}  # layer -> its quantized experts in dtype
     for x in hf_tensors(s):
         n = FORMATS[fmt].weight_bytes(*x.shape) if x.name in names else x.bytes(b)
         out["quantized" if x.name in names else "full"] += n
@@ -300,8 +304,15 @@ def engine_weights(s: Shape, precision: str, scope: str, fmt: str | None, dtype:
         out["experts"] += n if x.kind == "experts" else 0
         out["embedding"] += n if x.kind == "embedding" else 0
         out["replicated"] += n if x.kind in _REPLICATED else 0
+        if x.kind == "experts" and x.name in names:
+            out["expert_masters"] += x.numel * b
+            waiting[x.layer] = waiting.get(x.layer, 0) + x.numel * b
     sharded = out["quantized"] + out["full"] - out["replicated"]
-    loaded = out["masters"] + out["full"] - out["replicated"]
+    # what waits: a layer's experts' gate and up (two of an expert's three equal matrices), or one expert's
+    waits = bool(waiting) and FORMATS[fmt].tensor_scale_bytes > 0
+    staging = 2 * max(waiting.values(), default=0) // 3 // (1 if waits or not s.experts else s.experts)
+    loaded = out["masters"] - out["expert_masters"] + out["full"] - out["replicated"] + \
+        (out["experts"] if out["expert_masters"] else 0) + staging
     return {**out, "gpu_weights": sharded // tp + out["replicated"], "gpu_masters": out["masters"] // tp,
             "gpu_load": loaded // tp + out["replicated"]}
 
@@ -337,7 +348,8 @@ def engine_bytes(s: Shape, cfg: Config, gpu: GPU, master: str = "host", kv_token
         kv_tokens = cfg.rollout.max_total_tokens or max(0, int(room - on_device) // per_token)
     kv = kv_tokens * per_token
     fraction = math.ceil(100 * (on_device + kv + graphs + GiB) / gpu.hbm) / 100
-    return {"weights": w, "master": master, "load": w["gpu_load"], "kv_bytes_per_token": per_token,
+    load = w["gpu_load"] + (w["expert_masters"] // tp if master == "device" else 0)  # the masters load there
+    return {"weights": w, "master": master, "load": load, "kv_bytes_per_token": per_token,
             "kv_tokens": kv_tokens, "kv": kv,
             "reserve": reserve, "cuda_graphs": graphs, "peak": on_device + kv + reserve,
             "released": reserve - graphs,

@@ -66,7 +66,9 @@ def _budget(s: Shape, cfg: Config, gpu: GPU, master: str) -> dict[str, Any]:
     once. With it the engine gives its memory back while the trainer steps and the trainer empties its
     allocator's cache before the engine takes it again, so the GPU's peak is the larger of
       training   the trainer's peak + what the released engine keeps
-      rollout    the trainer's states (no activations) + the engine's peak"""
+      rollout    the trainer's states (no activations) + the engine's peak
+    An engine's peak is the larger of serving's (`engine_bytes`' peak) and its load's (`load`: the model as
+    SGLang's loader holds it before the KV cache exists)."""
     trainer = trainer_bytes(s, cfg)
     push = push_bytes(s, cfg)
     export = export_bytes(cfg, trainer, push)
@@ -78,14 +80,15 @@ def _budget(s: Shape, cfg: Config, gpu: GPU, master: str) -> dict[str, Any]:
     beside = resident if colocated and not r.max_total_tokens and not r.mem_fraction else None
     engine = engine_bytes(s, cfg, gpu, master, None if beside is None else _kv_beside(s, cfg, gpu, master, beside))
     kv_ok = engine["kv_tokens"] >= r.context_length
+    engine_peak = max(engine["peak"], engine["load"])
     if colocated:
-        shared = max(trainer_peak + engine["released"], resident + engine["peak"]) if offload else \
-            trainer_peak + engine["peak"]
+        shared = max(trainer_peak + engine["released"], resident + engine_peak) if offload else \
+            trainer_peak + engine_peak
         gpus = {"trainer+engine": (shared, kv_ok)}
         if r.engines < cfg.train.world_size:
             gpus["trainer"] = (trainer_peak, True)
     else:
-        gpus = {"trainer": (trainer_peak, True), "engine": (engine["peak"], kv_ok)}
+        gpus = {"trainer": (trainer_peak, True), "engine": (engine_peak, kv_ok)}
     fits = {who: peak <= gpu.hbm and ok for who, (peak, ok) in gpus.items()}
     return {"trainer": trainer, "trainer_peak": trainer_peak, "engine": engine, "push": push, "beside": beside,
             "resident": resident, "offload": offload, "gpus": {who: peak for who, (peak, _) in gpus.items()},

@@ -66,9 +66,9 @@ def test_the_engine_trace_counts_the_storages_of_sglangs_model_not_the_planners_
     and measures the storages that exist. SGLang's MLA keeps bf16 decode weights rebuilt from kv_b_proj
     (`w_kc` [heads/TP, d_nope, r_kv], `w_vc` [heads/TP, r_kv, d_v] per layer) that no checkpoint tensor and so
     no line of the planner's list holds: the measured weights exceed the planned by at least those. The load's
-    peak is the whole model in bf16 (SGLang quantizes after loading all of it), the plan's `load`, and no
-    checkpoint tensor besides: SGLang reads those on the host (fed on the GPU, the tiny model's embedding and
-    LM head, most of its bytes, would double it)."""
+    peak is the model in bf16 but its routed experts, which are quantized as they load (the plan's `load`),
+    and no checkpoint tensor besides: SGLang reads those on the host (fed on the GPU, the tiny model's embedding
+    and LM head, most of its bytes, would double it)."""
     from qurl_mcore.config import load_config
     from qurl_mcore.plantrace import TOLERANCE, trace_engine
     from qurl_mcore.sizing import model_config
@@ -83,3 +83,21 @@ def test_the_engine_trace_counts_the_storages_of_sglangs_model_not_the_planners_
     assert out["measured_weight_bytes"] - out["planned_weight_bytes"] >= 2 * decode
     assert all(out["layer_bytes"][k] < out["loaded_layer_bytes"][k] for k in ("dense", "moe"))
     assert out["planned_peak_bytes"] <= out["phases"]["load"] <= (1 + TOLERANCE) * out["planned_peak_bytes"]
+
+
+@pytest.mark.slow  # five loads of SGLang's Qwen3-MoE in a traced process: about a minute and a half
+def test_a_moe_load_never_holds_the_experts_in_bf16():
+    """The plugin quantizes each expert's piece as SGLang's loader writes it (sglang/moe.py): a MoE layer's load
+    on a GPU peaks at its other weights in bf16, the experts' codes and a few fp32 copies of one expert matrix
+    (quantize's temporaries), well below its experts in bf16 (6 MiB of 64 experts here; SGLang's load builds the
+    model in bf16 and quantizes after loading it: every one of them), for a bf16 push (masters on the host),
+    a code push (no masters) and NVFP4, whose gate waits for its up. With master="device" the masters are the
+    experts in bf16 on the GPU, by the user's choice."""
+    cases = [("qurl_int8", {}), ("qurl_int8", {"push": "codes"}), ("qurl_fp4", {"fmt": "nvfp4", "push": "codes"}),
+             ("qurl_fp4_rc", {"fmt": "mxfp4"}), ("qurl_int8", {"master": "device"})]
+    out = run_traced(workers.moe_loads, cases)
+    for case, load in out.items():
+        one_matrix = 16 * load["expert_w13_bf16"]
+        assert one_matrix < load["experts_bf16"] / 4
+        on_gpu = load["others_bf16"] + load["expert_codes"] + ("device" in case) * load["experts_bf16"]
+        assert on_gpu <= load["peak"] <= on_gpu + one_matrix, (case, load)

@@ -441,3 +441,50 @@ def host_master(numel: int) -> dict:
                    cuda_bytes=torch.cuda.memory_allocated(), rss_growth_kib=grown, host_syncs=trace.host_syncs)
         out["zeros_any"] = bool(torch.empty(4, device="cpu").copy_(torch.zeros(4, device="cuda")).any())
         return out
+
+
+def moe_loads(cases: list[tuple[str, dict]], experts: int = 64) -> dict[str, dict[str, int]]:
+    """For each (method, options) case: one decoder layer of a Qwen3-MoE with `experts` experts (and a small
+    vocabulary) under the plugin's `method` and `options`, built and loaded on a fake GPU by SGLang's
+    `DefaultModelLoader` as an engine loads it, the checkpoint's bf16 tensors fed one at a time without values.
+    Returns per case the CUDA bytes at the load's peak and after it, the experts' bytes in bf16 and as the
+    plugin's codes, an expert's w13 (gate and up) in bf16, and the other weights' bytes in bf16."""
+    import json
+    import math
+    import tempfile
+    from pathlib import Path
+
+    from sglang.srt.server_args import ServerArgs
+
+    from qurl_mcore.models.registry import shape
+    from qurl_mcore.models.tiny import tiny_checkpoint
+    from qurl_mcore.plantrace import load_sglang_model, sglang_parallel
+    from qurl_mcore.rollout import EngineConfig
+    from qurl_mcore.sizing import hf_tensors
+
+    hf = json.loads((tiny_checkpoint("qwen3_moe") / "config.json").read_text())
+    hf.update(num_hidden_layers=1, vocab_size=256, num_experts=experts, num_local_experts=experts,
+              moe_intermediate_size=128)
+    checkpoint = [(x.name, x.shape, x.kind) for x in hf_tensors(shape(hf))]
+    experts_bf16 = [2 * math.prod(size) for _, size, kind in checkpoint if kind == "experts"]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp, fake_cuda() as trace:
+        (Path(tmp) / "config.json").write_text(json.dumps(hf))
+        cuda = torch.device("cuda", 0)
+        kwargs = lambda method, options: EngineConfig(tmp, method, options, device="cuda",  # noqa: E731
+                                                      dtype="bfloat16").engine_kwargs()
+        with sglang_parallel(kwargs(*cases[0]), 1):
+            for method, options in cases:
+                trace.reset_peak()
+                base = trace.live_bytes
+                model = load_sglang_model(ServerArgs(**kwargs(method, options)), lambda: (
+                    (n, torch.empty(size, dtype=torch.bfloat16, device=cuda)) for n, size, _ in checkpoint))
+                moe = model.model.layers[0].mlp.experts
+                codes = sum(t.untyped_storage().nbytes() for q in (moe.qurl_w13_weight, moe.qurl_w2_weight)
+                            for t in (q.data, q.scale, q.global_scale) if t is not None)
+                out[f"{method} {options}"] = {
+                    "peak": trace.peak_bytes - base, "after": trace.live_bytes - base, "expert_codes": codes,
+                    "experts_bf16": sum(experts_bf16), "expert_w13_bf16": 2 * max(experts_bf16),
+                    "others_bf16": sum(2 * math.prod(size) for _, size, kind in checkpoint if kind != "experts")}
+                del model, moe
+    return out

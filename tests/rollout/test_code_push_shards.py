@@ -1,10 +1,12 @@
-"""A code push into an engine of TP 2 or EP 2 installs, on every rank, bitwise what a BF16 push and the rank's own
-re-quantization of its shard install, and the refit check's digests, gathered over the ranks, equal the
-trainer's. Each rank is a real SGLang model (SGLang's model classes, weight loaders, FusedMoE and its expert
-placement) in its own process, with SGLang's TP/EP process groups built over gloo, loaded and refitted as
-SGLang's model loader does (`DefaultModelLoader.postprocess_weights` / `restore_weights_before_loading`) but
-without the scheduler and its forward (a TP-2 CPU engine does not start on a one-NUMA-node machine unless
-SGLANG_CPU_OMP_THREADS_BIND gives each rank its cores). Both ranks' imports make it the slow lane."""
+"""The experts an engine of TP 2 or EP 2 quantizes as they load are, on every rank, bitwise what quantizing each
+of its expert matrices after a load in bf16 installs. A code push into such an engine installs, on every rank,
+bitwise what a BF16 push and the rank's own re-quantization of its shard install, and the refit check's digests,
+gathered over the ranks, equal the trainer's. Each rank is a real SGLang model (SGLang's model classes, weight
+loaders, FusedMoE and its expert placement) in its own process, with SGLang's TP/EP process groups built over
+gloo, loaded and refitted as SGLang's model loader does (`DefaultModelLoader.postprocess_weights` /
+`restore_weights_before_loading`) but without the scheduler and its forward (a TP-2 CPU engine does not start on
+a one-NUMA-node machine unless SGLANG_CPU_OMP_THREADS_BIND gives each rank its cores). Both ranks' imports make
+it the slow lane."""
 from __future__ import annotations
 
 import multiprocessing
@@ -75,6 +77,37 @@ def _installed(model) -> dict[str, list[bytes]]:
     return out
 
 
+def _experts(model) -> dict[str, list[bytes]]:
+    """`_installed` of the FusedMoEs alone."""
+    return {n: b for n, b in _installed(model).items() if ".experts." in n}
+
+
+def _loaded_reference(model, tensors: dict[str, torch.Tensor], spec) -> dict[str, list[bytes]]:
+    """`_installed` of each FusedMoE of `model` as SGLang's load in bf16 followed by the quantization of each
+    expert matrix would install them: per expert of this rank, `quantize_weight` of the rank's shard (`quant.wire`)
+    of the checkpoint's [gate; up] and of its down projection, in bf16."""
+    from qurl_mcore.quant import quantize_weight
+    from qurl_mcore.quant.wire import COLUMNS, ROWS, shard
+    from qurl_mcore.sglang import weights
+
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "qurl_w13_weight"):
+            pre = f"{name}.".replace(".mlp.experts.", ".mlp.experts.{}.")
+            tp_rank, tp_size = module.moe_tp_rank, module.moe_tp_size
+            ids = weights.global_experts(module)
+            w = {n: [tensors[pre.format(ids[e]) + f"{n}.weight"].to(torch.bfloat16) for e in sorted(ids)]
+                 for n in ("gate_proj", "up_proj", "down_proj")}
+            w13 = [torch.cat([shard(g, ROWS, tp_rank, tp_size), shard(u, ROWS, tp_rank, tp_size)])
+                   for g, u in zip(w["gate_proj"], w["up_proj"])]
+            w2 = [shard(d, COLUMNS, tp_rank, tp_size) for d in w["down_proj"]]
+            for attr, mats in (("qurl_w13_weight", w13), ("qurl_w2_weight", w2)):
+                q, _ = weights.stack([quantize_weight(m, spec) for m in mats])
+                out[f"{name}.{attr}"] = [t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                                         for t in (q.data, q.scale, q.global_scale) if t is not None]
+    return out
+
+
 def _rank(rank: int, port: int, tp: int, ep: int, results) -> None:
     """One engine rank: every case's BF16 and code pushes (full, then partial), what it installed and reported."""
     try:
@@ -104,6 +137,7 @@ def _pushes(rank: int, port: int, tp: int, ep: int) -> dict:
         initialize_model_parallel()
         for arch, method, fmt, scope in CASES:
             path = model_path(arch)
+            checkpoint = checkpoint_tensors(path)
             recipe = engine_recipe(method, fmt, scope)
             units = engine_units(path, recipe.groups, tp, ep)
             full = {k: v.to(torch.bfloat16) for k, v in noisy_layer0(checkpoint_tensors(path)).items()}
@@ -113,6 +147,12 @@ def _pushes(rank: int, port: int, tp: int, ep: int) -> dict:
             case = {}
             for push in ("bf16", "codes"):
                 model = _model(arch, method, {"fmt": fmt, "scope": scope, "push": push})
+                case[push, "loaded"] = _experts(model), _loaded_reference(model, checkpoint, recipe.spec)
+                if push == "bf16" and arch == "qwen3_moe":  # one expert's gate alone: its up is the master's
+                    gate = next(n for n in sorted(checkpoint) if n.endswith(".experts.1.gate_proj.weight"))
+                    half = {**checkpoint, gate: checkpoint[gate] * 1.5}
+                    _push(model, [(gate, half[gate])])
+                    case["half"] = _experts(model), _loaded_reference(model, half, recipe.spec)
                 exporter = types.SimpleNamespace(get_model=lambda: model)  # what report_digests reads of SGLang's
                 for step, tensors in (("full", full), ("partial", partial)):
                     codes = CodePush(recipe.spec, units, send=push == "codes")
@@ -161,6 +201,12 @@ def test_a_sharded_code_push_installs_what_a_bf16_push_and_each_ranks_requantiza
     (tp, ep), per_rank = ranks
     for rank, out in enumerate(per_rank):
         results = out[case]
+        # the experts quantized as they load: what quantizing them after a load installs; after a bf16 push of
+        # one expert's gate alone, what quantizing that expert's new gate and old up installs
+        for step in [("bf16", "loaded"), ("codes", "loaded")] + (["half"] if "half" in results else []):
+            got, want = results[step]
+            assert got.keys() == want.keys() and (got or case[0] != "qwen3_moe")
+            assert not [n for n in want if want[n] != got[n]], (rank, step)
         for step in ("full", "partial"):
             (want, want_digests, bf16), (got, got_digests, codes) = results["bf16", step], results["codes", step]
             assert want.keys() == got.keys() and want
