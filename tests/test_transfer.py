@@ -72,6 +72,26 @@ def test_packed_tensors_are_the_same_values_in_one_shared_buffer_sent_as_one_han
     assert len(passed) == 1 + len(tensors)
 
 
+def test_a_host_buffer_is_reused_only_once_its_bucket_is_gone():
+    """`packed` on the host takes a shared buffer of an earlier bucket once none of that bucket's tensors is
+    left (no new pages to touch), and a new one while they live, so a bucket still held keeps its values."""
+    from qurl_mcore.transfer import HostBuffers
+
+    pool = HostBuffers()
+    first = pool.take(1000)
+    view = first[10:20]
+    del first
+    second = pool.take(500)  # the first buffer's view still lives: a new buffer
+    assert second.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+    ptr = view.untyped_storage().data_ptr()
+    del view
+    assert pool.take(800).untyped_storage().data_ptr() == ptr  # unused now, and it fits
+    assert len(pool._buffers) == 2
+    del second
+    pool.take(4000)  # neither fits: both are freed for a new one
+    assert len(pool._buffers) == 1
+
+
 def test_free_port_is_bindable_and_backend_follows_the_device():
     port = free_port()
     with socket.socket() as s:

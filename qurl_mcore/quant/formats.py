@@ -113,6 +113,10 @@ FORMATS: dict[str, FormatSpec] = {f.name: f for f in (
 )}
 
 
+#: dtypes whose every value fp32 holds exactly (so a quotient of them may convert before it divides)
+_EXACT_IN_FP32 = (torch.bfloat16, torch.float16)
+
+
 def quotient(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
     """a / b in fp32, rounded once (IEEE division) on every device, eagerly and under torch.compile alike, so
     that a GPU picks the scales and codes a CPU does.
@@ -125,6 +129,8 @@ def quotient(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
         return quotient_fp64(a, b)
     if not isinstance(b, torch.Tensor) and a.device.type != "cpu":
         b = torch.full((), b, dtype=torch.float32, device=a.device)
+    if a.dtype in _EXACT_IN_FP32:  # converted first: a CPU divides BF16 by a broadcast fp32 tensor 30x slower
+        return a.to(torch.float32).div_(b)
     return torch.div(a, b).to(torch.float32)
 
 

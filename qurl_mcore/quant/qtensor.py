@@ -146,7 +146,7 @@ def quantize(
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
     if x.numel() == 0:
         raise ValueError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
-    # x stays in its dtype until the division below promotes it to fp32 (the same values, one pass fewer); a
+    # x stays in its dtype for the amax, and goes to fp32 in the division below (`quotient`: the same values); a
     # NaN or inf anywhere shows in its group's amax, so the finiteness check reads the amax, not all of x
     g = gran.group(x.detach(), x.shape)
     if spec.scale_encoding is ScaleEncoding.HIF4:

@@ -5,8 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qurl_mcore.quant import WEIGHT_BLOCK, fake_quantize, quantize, residual_fake_quantize
-from qurl_mcore.quant.formats import FORMATS
-from qurl_mcore.quant.formats import quotient, quotient_fp64
+from qurl_mcore.quant.formats import FORMATS, quotient, quotient_fp64
 
 FMTS = ["int8", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]
 
@@ -152,6 +151,21 @@ def test_fp64_quotient_is_fp32_division_bitwise():
     b = (torch.rand(a.shape, generator=g) + 1.0) * torch.exp2(torch.randint(-20, 20, a.shape, generator=g).float())
     assert torch.equal(quotient_fp64(a, b), a / b)
     assert torch.equal(quotient(a, b), a / b)  # eager: fp32 division itself
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quotient_of_a_half_precision_tensor_is_its_fp32_values_divided_once(dtype):
+    """A BF16 or FP16 numerator by a broadcast fp32 divisor (a weight's rows by their scales), or by a number:
+    the fp32 quotient of its exact fp32 values, rounded once (the fp64 reference), in fp32; the numerator is
+    left as it was."""
+    g = torch.Generator().manual_seed(1)
+    a = (torch.randn(64, 96, generator=g) * torch.exp2(torch.randint(-8, 8, (64, 1), generator=g).float())).to(dtype)
+    before = a.clone()
+    for b in ((torch.rand(64, 1, generator=g) + 0.5) * 1e-2, 127.0):
+        got = quotient(a, b)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, quotient_fp64(a.double(), b))
+    assert torch.equal(a, before)
 
 
 @pytest.mark.parametrize("fmt,granularity", [("int8", "token"), ("fp8_e4m3", "channel"), ("nvfp4", "block"),
