@@ -563,8 +563,8 @@ def test_check_refuses_a_run_that_does_not_fit_its_gpu(capsys):
 def test_an_moe_engine_loads_its_experts_as_codes_and_the_verdict_counts_the_load():
     """The plugin quantizes routed experts as they load (sglang/moe.py): DeepSeek-V3's int8 engine (TP 8 on H200)
     holds at its load the other weights in bf16, the experts' int8 codes and one expert's gate and up waiting,
-    all /TP but the replicated norms and routers; by hand from the tensors. With master=device the experts'
-    bf16 masters load on the GPU too. The verdict takes the larger of an engine's load and serving peaks: a 32B
+    all /TP but the replicated norms and routers; by hand from the tensors. A BF16 push keeps masters: on the
+    host by default, outside the load; with master=device the experts' bf16 masters load on the GPU too. The verdict takes the larger of an engine's load and serving peaks: a 32B
     int8 engine with a small KV cache peaks at its load, all of it in bf16."""
     from qurl_mcore.sizing.gpus import GiB, get_gpu
     from qurl_mcore.sizing.memory import engine_bytes
@@ -580,7 +580,9 @@ def test_an_moe_engine_loads_its_experts_as_codes_and_the_verdict_counts_the_loa
     e = engine_bytes(s, cfg, get_gpu("h200-141g"))
     assert e["load"] == (others + codes + one_w13) // tp + replicated
     assert 80e9 < e["load"] < 90e9 < e["peak"]
-    device = engine_bytes(s, cfg, get_gpu("h200-141g"), master="device")
+    bf16_push = load_config(CONFIGS / "grpo_deepseek_v3_int8.yaml", ["rollout.push=bf16"])  # masters kept
+    assert engine_bytes(s, bf16_push, get_gpu("h200-141g"))["load"] == e["load"]  # on the host: not at the load
+    device = engine_bytes(s, bf16_push, get_gpu("h200-141g"), master="device")
     assert device["load"] == e["load"] + sum(x.bytes(2) for x in experts) // tp > get_gpu("h200-141g").hbm
     cfg = load_config(CONFIGS / "grpo_32b_int8.yaml", ["rollout.max_total_tokens=1024"])
     hf, _ = model_config(cfg.model.path)
