@@ -16,7 +16,7 @@ def experts_forward(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     w2: QTensor, spec: QuantLinearSpec) -> torch.Tensor:
     """out[t] = Σ_j p[t, j] · Q̃(silu(g) ⊙ u)·Q(W2_e)ᵀ with [g; u] = Q̃(X_e)·Q(W13_e)ᵀ, e = topk_ids[t, j]
     (gate rows first in W13, as in the checkpoint's merge order and Megatron's fc1), for stacked
-    experts w13 [E, 2I, H] and w2 [E, H, I] (`weights.stack`). X_e holds the tokens routed to e, each
+    experts w13 [E, 2I, H] and w2 [E, H, I] (`weights.empty_stack`). X_e holds the tokens routed to e, each
     quantized on its own as the trainer's expert e quantizes it (`quantize_activation`), so Q̃(X) is taken
     once for all experts. Tokens routed to ids outside [0, E) (padding, other EP ranks) contribute nothing;
     the weighted sum is taken in fp32.

@@ -82,7 +82,7 @@ class QTensor:
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """x' = decode(codes) * scale, each part of a group times its scale (`scale_fp32`), back in the original
         shape and dtype (or `dtype`). The scale is taken in group order, so a stack of row-grouped QTensors
-        (`sglang.weights.stack`: [E, rows, groups, 1] scales, [E] global scales) dequantizes as one."""
+        (`sglang.weights.empty_stack`: [E, rows, groups, 1] scales, [E] global scales) dequantizes as one."""
         groups = self.granularity.group(decode(self.codes(), self.spec), self.shape)
         scale = self.scale_fp32()
         parts = scale.shape[-1]
