@@ -878,6 +878,11 @@ def _child() -> None:
     result = fn(*args)
     with os.fdopen(result_fd, "wb") as out:
         out.write(pickle.dumps(result))
+    sys.stderr.flush()
+    # The result is out. Tearing torch down after autograd ran on the fake device's thread can abort at exit
+    # ("terminate called without an active exception": that thread's std::thread is destroyed unjoined), which
+    # would fail a trace that succeeded; nothing is left to clean up in this throwaway process.
+    os._exit(0)
 
 
 if __name__ == "__main__":
