@@ -30,9 +30,12 @@ def test_mixtral_loop(tmp_path):
     """Two steps on tiny-mixtral with an INT8 engine, UAQ and R3: a quantized Mixtral engine is SGLang's FusedMoE
     `MixtralForCausalLM` (qurl_mcore/sglang/architecture.py), which reports its routing, so the trainer replays it;
     the trainer's own routing is compared with the engine's before the replay. (Its unquantized engine, and the
-    same routes on both sides there: tests/align/test_align_architectures.py.)"""
-    train(tmp_path, "model.path=tiny-mixtral", "steps=2", "precision=int8", "uaq.enabled=true",
-          "train.routing_replay=r3")
+    same routes on both sides there: tests/align/test_align_architectures.py.) The weights go as INT8 codes and
+    scales (rollout.push=codes): Mixtral's experts (w1, w3, w2) and attention, checked every step."""
+    overrides = ("model.path=tiny-mixtral", "steps=2", "precision=int8", "uaq.enabled=true",
+                 "train.routing_replay=r3", "rollout.push=codes")
+    train(tmp_path, *overrides)
+    assert_code_pushes(tmp_path, *overrides)
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["train/skipped_nonfinite"] == 0 and r["mismatch/prob_pearson"] > 0.9 for r in records)
