@@ -114,12 +114,13 @@ FORMATS: dict[str, FormatSpec] = {f.name: f for f in (
 
 
 #: dtypes whose every value fp32 holds exactly (so a quotient of them may convert before it divides)
-_EXACT_IN_FP32 = (torch.bfloat16, torch.float16)
+EXACT_IN_FP32 = (torch.bfloat16, torch.float16)
 
 
-def quotient(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+def quotient(a: torch.Tensor, b: torch.Tensor | float, *, inplace: bool = False) -> torch.Tensor:
     """a / b in fp32, rounded once (IEEE division) on every device, eagerly and under torch.compile alike, so
-    that a GPU picks the scales and codes a CPU does.
+    that a GPU picks the scales and codes a CPU does. `inplace`: an fp32 `a` is the caller's temporary, which
+    eagerly holds the quotient afterwards (no second buffer of its size).
 
     On CUDA, PyTorch's eager kernel divides by a Python number as a product with its fp32 reciprocal (up to
     1 ulp off): the divisor goes in as a tensor on a's device. Compiled for a GPU, inductor does the same to a
@@ -129,8 +130,10 @@ def quotient(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
         return quotient_fp64(a, b)
     if not isinstance(b, torch.Tensor) and a.device.type != "cpu":
         b = torch.full((), b, dtype=torch.float32, device=a.device)
-    if a.dtype in _EXACT_IN_FP32:  # converted first: a CPU divides BF16 by a broadcast fp32 tensor 30x slower
+    if a.dtype in EXACT_IN_FP32:  # converted first: a CPU divides BF16 by a broadcast fp32 tensor 30x slower
         return a.to(torch.float32).div_(b)
+    if inplace and a.dtype == torch.float32:
+        return a.div_(b)
     return torch.div(a, b).to(torch.float32)
 
 

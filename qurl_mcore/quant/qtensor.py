@@ -23,7 +23,7 @@ import torch
 
 from . import hif4
 from .formats import (
-    E4M3_MAX, E8M0_BIAS, FormatSpec, ScaleEncoding, decode, e8m0_exponent, encode, get_format, pack_fp4, quotient,
+    E4M3_MAX, E8M0_BIAS, EXACT_IN_FP32, FormatSpec, ScaleEncoding, decode, e8m0_exponent, encode, get_format, pack_fp4, quotient,
     unpack_fp4,
 )
 from .granularity import Granularity, PerBlock, for_format
@@ -146,11 +146,15 @@ def quantize(
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
     if x.numel() == 0:
         raise ValueError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
-    # x stays in its dtype for the amax, and goes to fp32 in the division below (`quotient`: the same values); a
-    # NaN or inf anywhere shows in its group's amax, so the finiteness check reads the amax, not all of x
+    # A NaN or inf anywhere shows in its group's amax, so the finiteness check reads the amax, not all of x.
     g = gran.group(x.detach(), x.shape)
     if spec.scale_encoding is ScaleEncoding.HIF4:
         return _quantize_hif4(x, g, spec, gran)
+    # BF16/FP16 go to fp32 before the amax, not in the division (`quotient`): the same values (exact), and a CPU
+    # reduces fp32 rows about 5x faster than BF16 ones; the division then reuses this copy in place
+    widened = g.dtype in EXACT_IN_FP32
+    if widened:
+        g = g.to(torch.float32)
     amax = torch.maximum(g.amax(dim=-1, keepdim=True), g.amin(dim=-1, keepdim=True).neg()).to(torch.float32)
     if not _in_graph(x) and not bool(torch.isfinite(amax).all()):
         check_finite(x)
@@ -172,7 +176,7 @@ def quantize(
         scale = torch.where(amax != 0, quotient(amax, spec.max_value), torch.ones_like(amax))  # NaN stays NaN
         scale_dec = scale
     positive = scale_dec > 0
-    scaled = quotient(g, torch.where(positive, scale_dec, 1.0))
+    scaled = quotient(g, torch.where(positive, scale_dec, 1.0), inplace=widened)
     # An NVFP4 block scale that underflowed (a tiny block next to a huge one) encodes zeros. Elsewhere a zero
     # scale means amax / max_fmt underflowed: the group's values, divided by 1, round to zero by themselves.
     if global_scale is not None:

@@ -168,6 +168,33 @@ def test_quotient_of_a_half_precision_tensor_is_its_fp32_values_divided_once(dty
     assert torch.equal(a, before)
 
 
+def test_an_inplace_quotient_divides_the_callers_fp32_temporary_and_only_that():
+    """`inplace` reuses an fp32 numerator's storage for the quotient (no second buffer of its size), with the
+    values of the out-of-place quotient; without it, or for a BF16 numerator, the numerator is left as it was."""
+    a = torch.randn(8, 32, generator=torch.Generator().manual_seed(2))
+    d = torch.rand(8, 1, generator=torch.Generator().manual_seed(3)) + 0.5
+    want = quotient(a, d)
+    assert want.data_ptr() != a.data_ptr()
+    half = a.to(torch.bfloat16)
+    assert quotient(half, d, inplace=True).data_ptr() != half.data_ptr()
+    got = quotient(a, d, inplace=True)
+    assert got.data_ptr() == a.data_ptr() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "nvfp4", "mxfp4", "hif4"])
+def test_quantize_leaves_its_input_as_it_was_and_widens_exactly(fmt, dtype):
+    """Quantizing never writes to its input (it divides a widened copy in place, never the caller's fp32
+    tensor), and a BF16/FP16 input quantizes exactly as its fp32 values do (the widening is exact)."""
+    x = (torch.randn(16, 128, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    before = x.clone()
+    got = quantize(x, fmt, "block" if FORMATS[fmt].is_fp4 else "channel")
+    assert torch.equal(x, before)
+    want = quantize(x.float(), fmt, "block" if FORMATS[fmt].is_fp4 else "channel")
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))
+
+
 @pytest.mark.parametrize("fmt,granularity", [("int8", "token"), ("fp8_e4m3", "channel"), ("nvfp4", "block"),
                                              ("mxfp4", "block")])
 def test_no_host_reads_quantizes_alike_without_reading_back_and_a_nan_propagates(fmt, granularity):
