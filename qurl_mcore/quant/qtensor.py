@@ -23,8 +23,8 @@ import torch
 
 from . import hif4
 from .formats import (
-    E4M3_MAX, E8M0_BIAS, EXACT_IN_FP32, FormatSpec, ScaleEncoding, decode, e8m0_exponent, encode, get_format, pack_fp4, quotient,
-    unpack_fp4,
+    E4M3_MAX, E8M0_BIAS, EXACT_IN_FP32, FormatSpec, ScaleEncoding, decode, e8m0_exponent, encode, get_format,
+    pack_fp4, quotient, unpack_fp4,
 )
 from .granularity import Granularity, PerBlock, for_format
 
