@@ -564,8 +564,9 @@ def test_an_moe_engine_loads_its_experts_as_codes_and_the_verdict_counts_the_loa
     """The plugin quantizes routed experts as they load (sglang/moe.py): DeepSeek-V3's int8 engine (TP 8 on H200)
     holds at its load the other weights in bf16, the experts' int8 codes and one expert's gate and up waiting,
     all /TP but the replicated norms and routers; by hand from the tensors. A BF16 push keeps masters: on the
-    host by default, outside the load; with master=device the experts' bf16 masters load on the GPU too. The verdict takes the larger of an engine's load and serving peaks: a 32B
-    int8 engine with a small KV cache peaks at its load, all of it in bf16."""
+    host by default, outside the load; with master=device the experts' bf16 masters load on the GPU too. The
+    verdict takes the larger of an engine's load and serving peaks: a 32B int8 engine with a small KV cache
+    peaks at its load, all of it in bf16."""
     from qurl_mcore.sizing.gpus import GiB, get_gpu
     from qurl_mcore.sizing.memory import engine_bytes
 
