@@ -347,6 +347,30 @@ def test_acr_trunc_is_naive_on_the_truncated_behaviour_policy(d, cap):
     torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
 
 
+def test_acr_symmetric_and_acr_trunc_share_their_gradient_while_R_is_above_the_truncated_bound():
+    # Where r > C both weigh by C and clip R at an upper bound, (1 + eps_high)/r and (1 + eps_high)/C: while
+    # R > (1 + eps_high)/C an A > 0 token is flat in both and an A < 0 token keeps C·R·A in both (its lower bounds
+    # are below R). Only the loss value differs, by the flat tokens' constants C·u·A.
+    g = torch.Generator().manual_seed(3)
+    cap, eps_low, eps_high = 2.0, 0.2, 0.28
+    prox = -1.0 - torch.rand(1, 64, generator=g, dtype=torch.float64)
+    behav = prox - torch.empty(1, 64, dtype=torch.float64).uniform_(math.log(2.5), math.log(6.0), generator=g)
+    ratio = torch.empty(1, 64, dtype=torch.float64).uniform_((1 + eps_high) / cap + 0.01, 2.0, generator=g)
+    d = dict(logprobs=prox + ratio.log(), adv=torch.randn(1, 64, generator=g, dtype=torch.float64),
+             mask=torch.ones(1, 64), eps_low=eps_low, eps_high=eps_high, agg="token_mean")  # fmt: skip
+    sym_loss, sym_grad, _ = _loss_and_grad(d, "acr_symmetric", prox, behav, tis_cap=cap)
+    trunc_loss, trunc_grad, _ = _loss_and_grad(d, "acr_trunc", prox, behav, tis_cap=cap)
+    want = torch.where(d["adv"] < 0, cap * ratio * d["adv"], 0.0) / -64  # dJ/dlog π = C·R·A, loss = −mean J
+    torch.testing.assert_close(sym_grad, want, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(trunc_grad, want, rtol=1e-12, atol=1e-15)
+    assert sym_loss != trunc_loss
+    # Below the bound they part: r = 4, R = 0.5, A = 1 is flat for acr_symmetric (0.5 > 1.28/4) and not for
+    # acr_trunc (0.5 inside [0.4, 0.64]).
+    sym = _run("acr_symmetric", [0.125], [0.25], [0.0625], [1.0], tis_cap=cap, eps_high=eps_high)
+    trunc = _run("acr_trunc", [0.125], [0.25], [0.0625], [1.0], tis_cap=cap, eps_high=eps_high)
+    assert sym[1][0] == pytest.approx(0.0) and trunc[1][0] == pytest.approx(-cap * 0.5)
+
+
 @settings(max_examples=60, deadline=None)
 @given(d=batches(max_batch=4, max_seq=8))
 def test_acr_caps_the_ratio_to_the_behaviour_policy(d):
